@@ -1,0 +1,63 @@
+"""The ``"compile"`` section of a ds_config.
+
+DeepSpeed's engine reads several stock fields directly (``deepcompile``, ``autoep_non_moe``, ``passes``,
+``offload_parameters`` ...), so every stock field is kept with its stock meaning; the ones this module does not
+implement are reported by :func:`unimplemented_options` and handled at ``engine.compile()``. Unknown keys are
+rejected by ``DeepSpeedConfigModel`` (pydantic, ``extra="forbid"``) at ``deepspeed.initialize``.
+"""
+from typing import List, Literal, Optional
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field
+
+PassName = Literal["z1", "z3", "autosp", "autotp"]
+Partitioner = Literal["min_cut", "default"]
+
+
+class CompileConfig(DeepSpeedConfigModel):
+    """Settings for ``engine.compile()``; ``deepcompile`` selects this module's ZeRO-3 pipeline."""
+
+    # --- stock fields the engine reads or users already set -------------------------------------------------
+    deepcompile: bool = False
+    """Run ZeRO-3 through the compiled graph (gather/release/reduce ops placed by the compiler)."""
+    autoep_non_moe: bool = False
+    """Stock AutoEP region compile; handled by the engine itself, independent of DeepCompile."""
+    passes: Optional[List[PassName]] = None
+    """Stock pass composition. Only ``None`` or ``["z3"]`` run this module's pipeline; others fall back."""
+    offload_parameters: bool = False
+    offload_opt_states: bool = False
+    offload_activation: bool = False
+    offload_activation_pin_memory: bool = True
+    free_activation: bool = False
+    free_activation_threshold: int = 10 * 1024 * 1024
+    double_buffer: bool = True
+    symmetric_memory: bool = False
+    debug_log: bool = False
+    sync_before_reduce: bool = False
+    sync_after_reduce: bool = False
+    sync_before_allgather: bool = False
+    sync_after_allgather: bool = False
+    keep_int_input_tensors: bool = True
+    keep_all_input_tensors: bool = False
+
+    # --- deepspeed-compile fields ---------------------------------------------------------------------------
+    partitioner: Partitioner = "min_cut"
+    """``"min_cut"``: min-cut rematerialization with gathered parameters, their aliases and downcasts recomputed
+    in backward (the design of this module). ``"default"``: AOTAutograd's default partition, for comparison."""
+    fused_cast: bool = True
+    """Fold a downcast of a gathered parameter into its all-gather: the shard is cast before it is sent."""
+    collective_timeout_s: float = Field(default=0.0, ge=0.0)
+    """If > 0, a gather or reduce that has not completed after this many seconds raises instead of hanging."""
+
+
+# Stock options this module does not implement, with what happens when they are set.
+_FALLBACK_OPTIONS = ("offload_parameters", "offload_opt_states", "offload_activation")
+_IGNORED_OPTIONS = ("free_activation", "symmetric_memory", "sync_before_reduce", "sync_after_reduce",
+                    "sync_before_allgather", "sync_after_allgather", "keep_all_input_tensors")
+
+
+def unimplemented_options(config: CompileConfig) -> "tuple[list[str], list[str]]":
+    """Names of set options that force a fallback to plain torch.compile, and names that have no effect here."""
+    fallback = [name for name in _FALLBACK_OPTIONS if getattr(config, name)]
+    ignored = [name for name in _IGNORED_OPTIONS if getattr(config, name)]
+    return fallback, ignored

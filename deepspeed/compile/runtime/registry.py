@@ -1,0 +1,30 @@
+"""Lookup from the integer id baked into graph ops to the runtime that owns them.
+
+Graph ops can only carry plain scalars, so each compiled engine's runtime gets an id. The map holds weak
+references: a runtime lives exactly as long as its engine, and several engines in one process never see
+each other's state.
+"""
+import itertools
+import weakref
+from typing import List
+
+_runtimes: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_next_id = itertools.count(1)
+
+
+def register(runtime: object) -> int:
+    runtime_id = next(_next_id)
+    _runtimes[runtime_id] = runtime
+    return runtime_id
+
+
+def lookup(runtime_id: int):
+    runtime = _runtimes.get(runtime_id)
+    if runtime is None:
+        raise RuntimeError(f"deepspeed-compile runtime {runtime_id} is gone: its engine was destroyed while a "
+                           "graph compiled for it still runs")
+    return runtime
+
+
+def live() -> List[object]:
+    return list(_runtimes.values())

@@ -1,0 +1,36 @@
+"""Engine-facing forward context (``deepspeed.compile.z3_eager_fallback``).
+
+DeepSpeed's engine wraps every forward in :func:`deepcompile_z3_forward_context`; this module uses it to
+prepare the engine's runtime for a compiled forward (full-shape parameter stand-ins, see
+``docs/capture.md``). Stock DeepCompile also tracks eager fallback gathers here; this module has no eager
+fallback object, so :func:`get_active_z3_eager_fallback` is always ``None`` and ZeRO-3's parameter access
+behaves as in stock eager mode.
+"""
+import sys
+from contextlib import contextmanager
+
+RUNTIME_ATTR = "_deepspeed_compile_runtime"
+
+
+@contextmanager
+def deepcompile_z3_forward_context(engine):
+    runtime = getattr(engine, RUNTIME_ATTR, None)
+    if runtime is None or not engine.is_deepcompile_active():
+        yield None
+        return
+    with runtime.forward_context():
+        yield None
+
+
+def get_active_z3_eager_fallback():
+    return None
+
+
+def is_dynamo_guard_evaluation() -> bool:
+    """True while dynamo evaluates guards (it reads parameters then, and must not trigger a gather)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("torch._dynamo.guards"):
+            return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv in the repository and install everything the project needs, from the repo's own files.
+# torch is pinned to the CPU build that lies on these machines; pip must never resolve an unpinned torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip setuptools wheel
+python -m pip install -q torch==2.13.0
+DS_BUILD_OPS=0 python -m pip install -q -r requirements/requirements-dev.txt
+python -m pip install -q .

@@ -1,0 +1,127 @@
+"""The drop-in module: import precedence, the engine contract, config validation, fallbacks, the harness."""
+import os
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+import pytest
+
+import checkout
+from distributed import RankFailure, RankTimeout, run_distributed
+
+
+def _active_module_file(env_value):
+    env = {k: v for k, v in os.environ.items() if k != "DEEPSPEED_COMPILE_MODULE"}
+    if env_value is not None:
+        env["DEEPSPEED_COMPILE_MODULE"] = env_value
+    out = subprocess.run([sys.executable, "-c", "import deepspeed.compile as m; print(m.__file__)"],
+                         env=env, cwd="/", capture_output=True, text=True, timeout=120, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_checkout_module_is_under_test():
+    import deepspeed.compile
+    assert os.path.dirname(deepspeed.compile.__file__) == checkout.PACKAGE_DIR
+    assert deepspeed.compile.IMPLEMENTATION == "deepspeed-compile"
+
+
+def test_stock_module_selected_by_env():
+    path = _active_module_file("stock")
+    assert path.endswith(os.path.join("deepspeed", "compile", "__init__.py"))
+    assert "deepspeed_compile" not in path and not path.startswith(checkout.REPO_ROOT + os.sep + "deepspeed")
+
+
+def test_installed_package_takes_precedence():
+    try:
+        metadata.distribution("deepspeed-compile")
+    except metadata.PackageNotFoundError:
+        pytest.skip("deepspeed-compile is not installed in this environment (pip install . installs it)")
+    path = _active_module_file(None)
+    assert path.endswith(os.path.join("deepspeed_compile", "__init__.py")), path
+    # DeepSpeed's own files are untouched: the stock module is still there beside ours.
+    assert os.path.isfile(os.path.join(os.path.dirname(_active_module_file("stock")), "init_z3.py"))
+
+
+def test_unknown_compile_key_names_the_key():
+    from deepspeed.compile.config import CompileConfig
+    with pytest.raises(ValueError, match="partitionr"):
+        CompileConfig(deepcompile=True, partitionr="min_cut")
+    with pytest.raises(ValueError, match="partitioner"):
+        CompileConfig(deepcompile=True, partitioner="greedy")
+
+
+def test_bad_schedule_and_backend_are_refused():
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.compile.init_z3 import check_compile_request
+    with pytest.raises(ValueError, match="schedule"):
+        check_compile_request(CompileConfig(deepcompile=True), "eager", [(0, ["prefetch"])])
+    with pytest.raises(ValueError, match="aot_eager"):
+        check_compile_request(CompileConfig(deepcompile=True), "aot_eager", None)
+
+
+# ----- 2 ranks ---------------------------------------------------------------------------------------------
+
+def _train_zero3_deepcompile():
+    from models import ds_config
+    from training import make_engine, train
+    engine = make_engine("mlp", ds_config(3, {"deepcompile": True}))
+    return train(engine, "mlp", 3, compile_kwargs={"backend": "eager"})
+
+
+def test_zero3_deepcompile_initializes_and_trains():
+    losses = run_distributed(_train_zero3_deepcompile)
+    assert all(len(l) == 3 and all(x == x for x in l) for l in losses)
+    assert losses[0][-1] < losses[0][0] + 1.0
+
+
+def _initialize_with_bad_key():
+    from models import ds_config
+    from training import make_engine
+    try:
+        make_engine("mlp", ds_config(3, {"deepcompile": True, "bucket": 3}))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_bad_compile_key_fails_at_initialize():
+    messages = run_distributed(_initialize_with_bad_key)
+    assert all(m is not None and "bucket" in m for m in messages), messages
+
+
+def _train_zero2_deepcompile():
+    from models import ds_config
+    from training import RecordWarnings, make_engine, train
+    warnings = RecordWarnings()
+    engine = make_engine("mlp", ds_config(2, {"deepcompile": True}))
+    losses = train(engine, "mlp", 3, compile_kwargs={"backend": "eager"})
+    return losses, [m for m in warnings.messages if "deepspeed-compile" in m], engine.is_deepcompile_active()
+
+
+def test_zero2_deepcompile_warns_and_trains():
+    for losses, warnings, active in run_distributed(_train_zero2_deepcompile):
+        assert len(losses) == 3 and all(x == x for x in losses)
+        assert len(warnings) == 1 and "ZeRO stage 2" in warnings[0], warnings
+        assert not active
+
+
+def _hang_in_collective():
+    import torch
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    else:
+        time.sleep(3600)
+
+
+def test_harness_reports_hung_collective():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"rank\(s\) \[.*1.*\] did not finish"):
+        run_distributed(_hang_in_collective, timeout_s=20, collective_timeout_s=600)
+    assert time.monotonic() - start < 40
+
+
+def test_harness_reports_collective_timeout_as_failure():
+    with pytest.raises((RankFailure, RankTimeout), match="rank 0|did not finish"):
+        run_distributed(_hang_in_collective, timeout_s=30, collective_timeout_s=3)

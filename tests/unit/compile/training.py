@@ -1,0 +1,43 @@
+"""Rank-side helpers: build a DeepSpeed engine on one of the test models and train it."""
+import logging
+from typing import Any, Dict, List, Optional
+
+import deepspeed
+import torch
+
+from models import make_batch, make_model
+
+
+class RecordWarnings(logging.Handler):
+    """Collects the warnings DeepSpeed's logger emits (it does not propagate to the root logger)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+        deepspeed.utils.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def make_engine(model_name: str, config: Dict[str, Any], seed: int = 0):
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = make_model(model_name, seed)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
+                                      config=config)
+    return engine
+
+
+def train(engine, model_name: str, steps: int, compile_kwargs: Optional[Dict[str, Any]] = None) -> List[float]:
+    if compile_kwargs is not None:
+        engine.compile(**compile_kwargs)
+    rank = torch.distributed.get_rank()
+    losses = []
+    for step in range(steps):
+        for micro in range(engine.gradient_accumulation_steps()):
+            batch = make_batch(model_name, step * 100 + micro, rank)
+            loss = engine(*batch)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
