@@ -1,6 +1,9 @@
 """Engine entry point for DeepCompile with ZeRO stage 3: build the runtime and the dynamo backend."""
+from deepspeed.utils import logger
+
 from .config import CompileConfig, unimplemented_options
 from .fallback import fall_back
+from .z3_eager_fallback import RUNTIME_ATTR
 
 
 def check_compile_request(compile_config: CompileConfig, backend: str, schedule) -> None:
@@ -15,7 +18,35 @@ def check_compile_request(compile_config: CompileConfig, backend: str, schedule)
 
 def init_z3(engine, backend, compile_config: CompileConfig, compile_kwargs, schedule=None):
     check_compile_request(compile_config, backend, schedule)
-    fallback, _ = unimplemented_options(compile_config)
+    fallback, ignored = unimplemented_options(compile_config)
     if fallback:
         return fall_back(f"compile option(s) {fallback}", "offload is not implemented by deepspeed-compile")
-    return fall_back("the ZeRO-3 compile pipeline", "not available yet in this version")
+    if ignored:
+        logger.warning(f"deepspeed-compile: compile option(s) {ignored} have no effect in this implementation")
+
+    # imported here: these register the graph ops, which `import deepspeed` must not pay for
+    from .capture import eager_hooks
+    from .capture.backend import make_backend
+    from .runtime.z3 import Z3Runtime
+
+    runtime = Z3Runtime(engine, fused_cast=compile_config.fused_cast, timeout_s=compile_config.collective_timeout_s)
+    setattr(engine, RUNTIME_ATTR, runtime)
+    eager_hooks.switch_off(engine)
+
+    def on_failure(err: BaseException) -> None:
+        logger.error(f"deepspeed-compile: compiling a graph failed ({type(err).__name__}: {err}); "
+                     "switching the engine back to eager ZeRO-3")
+        deactivate(engine)
+
+    return make_backend(runtime, compile_config, backend, on_failure)
+
+
+def deactivate(engine) -> None:
+    """Return ``engine`` to eager ZeRO-3: stand-ins out, eager hooks back on, DeepCompile marked inactive."""
+    from .capture import eager_hooks, standins
+    runtime = getattr(engine, RUNTIME_ATTR, None)
+    if runtime is not None:
+        standins.uninstall(runtime.params.values())
+    eager_hooks.switch_on(engine)
+    if engine.is_deepcompile_active():
+        engine._set_deepcompile_active(False)

@@ -15,7 +15,13 @@ RUNTIME_ATTR = "_deepspeed_compile_runtime"
 @contextmanager
 def deepcompile_z3_forward_context(engine):
     runtime = getattr(engine, RUNTIME_ATTR, None)
-    if runtime is None or not engine.is_deepcompile_active():
+    if runtime is None:
+        yield None
+        return
+    if not engine.is_deepcompile_active():
+        # the engine left DeepCompile (failure, or deactivated): run this forward as eager ZeRO-3
+        from .init_z3 import deactivate
+        deactivate(engine)
         yield None
         return
     with runtime.forward_context():

@@ -1,0 +1,1 @@
+"""Side-by-side benchmark of DeepCompile for ZeRO-3 against eager ZeRO-3, plain torch.compile and FSDP2."""

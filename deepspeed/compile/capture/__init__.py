@@ -1,0 +1,1 @@
+"""Capture: let dynamo/AOTAutograd trace ZeRO-3 parameters with full shapes, and build the dynamo backend."""

@@ -1,0 +1,103 @@
+"""The dynamo backend of a compiled ZeRO-3 engine: AOTAutograd with our partition function and compilers.
+
+Per dynamo graph (one per graph break) a :class:`GraphCompiler` runs, in order:
+  insert gathers (dynamo graph) -> AOTAutograd joint trace -> tag parameter aliases/downcasts
+  -> partition (min-cut by default) -> forward: fold downcasts, releases, schedule
+  -> backward: fold downcasts, reduces, releases, schedule -> the backend's own compiler (eager or inductor).
+"""
+import functools
+import logging
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch.fx import GraphModule
+
+from ..backend import opt_pass_times
+from ..config import CompileConfig
+from ..graph import rewrite
+from ..graph.nodes import META_DS_ID, placeholders
+from ..graph.recompute import tag_param_aliases_pass
+from ..graph.report import saved_for_backward
+from ..graph.runner import run_passes
+
+log = logging.getLogger(__name__)
+
+
+class GraphCompiler:
+    """Compiles one dynamo graph; holds what its forward, partition and backward steps tell each other."""
+
+    def __init__(self, runtime, config: CompileConfig, backend: str, param_ds_ids: List[Optional[int]]):
+        self.runtime = runtime
+        self.config = config
+        self.backend = backend
+        self.param_ds_ids = param_ds_ids  # per graph input (= per joint primal): ds_id or None
+        self.num_fwd_outputs: Optional[int] = None
+        self.escaped: Dict[str, int] = {}
+
+    # --- partition ---------------------------------------------------------------------------------------
+    def partition(self, joint: GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+        primals = [n for n in placeholders(joint.graph) if "tangents" not in n.name]
+        if len(primals) != len(self.param_ds_ids):
+            raise AssertionError(f"joint graph has {len(primals)} primals for {len(self.param_ds_ids)} inputs")
+        for node, ds_id in zip(primals, self.param_ds_ids):
+            if ds_id is not None:
+                node.meta[META_DS_ID] = ds_id
+        self.num_fwd_outputs = num_fwd_outputs
+        if self.config.partitioner == "min_cut":
+            tag_param_aliases_pass(joint)
+            return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                                       **kwargs)
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    # --- forward / backward ------------------------------------------------------------------------------
+    def _common_passes(self):
+        rid = self.runtime.id
+        passes = []
+        if self.config.fused_cast:
+            passes.append(("fold_downcasts", rewrite.fold_downcasts_pass))
+        passes.append(("insert_releases", functools.partial(rewrite.insert_releases_pass, runtime_id=rid)))
+        return passes
+
+    def compile_forward(self, gm: GraphModule, example_inputs):
+        gm = run_passes(gm, self._common_passes(), opt_pass_times)
+        self.escaped = rewrite.escaped_saved_names(gm)
+        if self.num_fwd_outputs is not None:  # None for an inference graph: nothing is saved
+            self.runtime.saved += saved_for_backward(gm, self.num_fwd_outputs)
+        self.runtime.graphs_compiled += 1
+        return self._finish(gm, example_inputs)
+
+    def compile_backward(self, gm: GraphModule, example_inputs):
+        rewrite.mark_escaped_inputs(gm, self.escaped)
+        rid = self.runtime.id
+        passes = [("insert_reduces", functools.partial(rewrite.insert_reduces_pass, runtime_id=rid,
+                                                       grad_ds_ids=self.param_ds_ids))]
+        gm = run_passes(gm, passes + self._common_passes(), opt_pass_times)
+        return self._finish(gm, example_inputs)
+
+    def _finish(self, gm: GraphModule, example_inputs):
+        if self.backend == "eager":
+            return make_boxed_func(gm.forward)
+        from torch._inductor.compile_fx import compile_fx_inner
+        return compile_fx_inner(gm, example_inputs)
+
+
+def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Callable[[BaseException], None]):
+    """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module."""
+
+    def compile_graph(gm: GraphModule, example_inputs):
+        try:
+            gathered = runtime.gathered_ds_ids(example_inputs)
+            gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
+            gm.recompile()
+            compiler = GraphCompiler(runtime, config, backend, runtime.param_ds_ids(example_inputs))
+            aot = aot_autograd(fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
+                               partition_fn=compiler.partition, keep_inference_input_mutations=True)
+            return aot(gm, example_inputs)
+        except BaseException as err:
+            on_failure(err)
+            raise
+
+    return compile_graph

@@ -1,0 +1,48 @@
+"""Full-shape stand-ins for partitioned ZeRO-3 parameters, so that tracing sees the right shapes.
+
+A partitioned parameter's ``.data`` is an empty tensor. Right before a compiled forward each one gets a
+stride-0 view of a one-element tensor, expanded to ``ds_shape``: the right shape and dtype, 4 bytes of
+storage, no full-size memory. dynamo guards on size/stride/dtype, not identity, so the cached stand-ins never
+cause a recompile. They stay in place until backward is over (AOTAutograd's backward checks the saved
+parameter inputs' metadata) and are then swapped back for ZeRO's own empty ``.data``, so checkpointing and
+eager ZeRO-3 code never see them. See docs/capture.md.
+"""
+from typing import Iterable
+
+import torch
+from torch.nn import Parameter
+
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+_STANDIN = "_dsc_standin"  # the cached stand-in on the parameter
+_PARTITIONED = "_dsc_partitioned_data"  # ZeRO's own .data, put back by uninstall
+
+
+def _needs_standin(param: Parameter) -> bool:
+    return param.ds_status == ZeroParamStatus.NOT_AVAILABLE and not getattr(param, "ds_persist", False)
+
+
+def _is_standin(param: Parameter) -> bool:
+    data = param.data
+    return data.shape == param.ds_shape and data.numel() > 0 and all(s == 0 for s in data.stride())
+
+
+def install(params: Iterable[Parameter]) -> None:
+    for param in params:
+        if not _needs_standin(param) or _is_standin(param):
+            continue
+        standin = getattr(param, _STANDIN, None)
+        if standin is None or standin.dtype != param.dtype or standin.device != param.ds_tensor.device:
+            standin = torch.empty(1, dtype=param.dtype, device=param.ds_tensor.device).expand(param.ds_shape)
+            setattr(param, _STANDIN, standin)
+        setattr(param, _PARTITIONED, param.data)
+        param.data = standin
+
+
+def uninstall(params: Iterable[Parameter]) -> None:
+    for param in params:
+        partitioned = getattr(param, _PARTITIONED, None)
+        if partitioned is None:
+            continue
+        param.data = partitioned
+        setattr(param, _PARTITIONED, None)

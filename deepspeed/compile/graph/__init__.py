@@ -1,0 +1,1 @@
+"""Graph analysis and rewrite passes of the ZeRO-3 pipeline: tag -> partition -> rewrite (-> schedule)."""

@@ -1,0 +1,56 @@
+"""Saved-for-backward report of a partitioned forward graph: bytes kept alive for backward, split into
+parameter-derived (gathered parameters, their aliases and downcasts) and other (activations)."""
+from dataclasses import dataclass
+from typing import Set
+
+from torch.fx import GraphModule, Node
+
+from .nodes import META_DS_ID, derived_closure, is_alias, is_gather, output_args, placeholders, tensor_bytes
+
+
+@dataclass
+class SavedBytes:
+    param_bytes: int = 0
+    other_bytes: int = 0
+    param_tensors: int = 0
+    other_tensors: int = 0
+
+    def __iadd__(self, other: "SavedBytes") -> "SavedBytes":
+        self.param_bytes += other.param_bytes
+        self.other_bytes += other.other_bytes
+        self.param_tensors += other.param_tensors
+        self.other_tensors += other.other_tensors
+        return self
+
+
+def _storage_root(node: Node) -> Node:
+    while is_alias(node) and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
+
+
+def saved_for_backward(fw: GraphModule, num_fwd_outputs: int) -> SavedBytes:
+    """Count the storage that forward outputs ``num_fwd_outputs:`` (the saved values) keep alive. A saved
+    alias of a graph input costs nothing; several aliases of one buffer count it once."""
+    graph = fw.graph
+    params = [n for n in placeholders(graph) if META_DS_ID in n.meta] + [n for n in graph.nodes if is_gather(n)]
+    param_derived = derived_closure(params)
+    report = SavedBytes()
+    seen: Set[Node] = set()
+    for value in output_args(graph)[num_fwd_outputs:]:
+        if not isinstance(value, Node):
+            continue
+        root = _storage_root(value)
+        if root.op == "placeholder" or root in seen:
+            continue
+        seen.add(root)
+        nbytes = tensor_bytes(root)
+        if nbytes == 0:
+            continue
+        if root in param_derived:
+            report.param_bytes += nbytes
+            report.param_tensors += 1
+        else:
+            report.other_bytes += nbytes
+            report.other_tensors += 1
+    return report

@@ -1,0 +1,121 @@
+"""Rewrite passes: place the runtime's gather / release / reduce ops into the graphs.
+
+- :func:`insert_gathers_pass` runs on the dynamo graph, before AOTAutograd: every use of a gathered
+  ZeRO-3 parameter input goes through ``gather_param``, so both the forward and the recomputed backward see an
+  explicit gather (the op's autograd formula passes the gradient through to the parameter input).
+- :func:`fold_downcasts_pass` folds a downcast whose only input is a gathered parameter into the gather
+  (the shard is cast before it is sent).
+- :func:`insert_releases_pass` frees each gathered parameter right after its last real use, seeing through
+  aliases; a gathered value that escapes the graph (saved for backward by a non-min-cut partition) is released
+  by the graph that consumes it last.
+- :func:`insert_reduces_pass` (backward) reduce-scatters each parameter gradient where it is produced and
+  returns ``None`` in its place, so autograd never accumulates a full-size gradient.
+"""
+from typing import Dict, List, Optional, Set
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..runtime.ops import GATHER, RELEASE, REDUCE
+from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, last_use, output_args, placeholders)
+
+# Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
+META_ESCAPED_DS_ID = "dsc_escaped_ds_id"
+
+
+def insert_gathers_pass(gm: GraphModule, *, runtime_id: int, gathered_ds_ids: Dict[int, int]) -> GraphModule:
+    """``gathered_ds_ids`` maps a placeholder index to the ds_id of the partitioned parameter it receives."""
+    graph = gm.graph
+    for index, node in enumerate(placeholders(graph)):
+        ds_id = gathered_ds_ids.get(index)
+        if ds_id is None or not node.users:
+            continue
+        node.meta[META_DS_ID] = ds_id
+        with graph.inserting_after(node):
+            gathered = graph.call_function(GATHER, (node, runtime_id, ds_id, None))
+        node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
+        gathered.meta[META_DS_ID] = ds_id
+    return gm
+
+
+def _set_val(node: Node) -> None:
+    """Refresh ``meta['val']`` of a gather after its dtype changed (the fake impl gives the full shape)."""
+    val = node.meta.get("val")
+    dtype = gather_dtype(node)
+    if isinstance(val, torch.Tensor) and dtype is not None:
+        node.meta["val"] = val.to(dtype)
+
+
+def fold_downcasts_pass(gm: GraphModule) -> GraphModule:
+    """``gather(p)`` whose every user is the same downcast becomes ``gather(p, dtype=...)``."""
+    for node in list(gm.graph.nodes):
+        if not is_gather(node) or gather_dtype(node) is not None or not node.users:
+            continue
+        dtypes = {downcast_dtype(user) for user in node.users}
+        if len(dtypes) != 1 or None in dtypes:
+            continue
+        dtype = dtypes.pop()
+        node.args = (*node.args[:3], dtype)
+        node.kwargs = {}
+        _set_val(node)
+        for cast in list(node.users):
+            cast.replace_all_uses_with(node)
+            gm.graph.erase_node(cast)
+    return gm
+
+
+def insert_releases_pass(gm: GraphModule, *, runtime_id: int) -> GraphModule:
+    """Release after the last use of every gathered parameter (gathers, and escaped values coming in)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    roots: List[Node] = [n for n in graph.nodes if is_gather(n) or (n.op == "placeholder" and META_ESCAPED_DS_ID in n.meta)]
+    for root in roots:
+        ds_id = root.args[2] if is_gather(root) else root.meta[META_ESCAPED_DS_ID]
+        aliases = alias_closure(root)
+        if out_node in {u for a in aliases for u in a.users}:
+            # escapes (saved for backward or returned): the consumer releases it
+            for value in output_args(graph):
+                if isinstance(value, Node) and value in aliases:
+                    value.meta[META_ESCAPED_DS_ID] = ds_id
+            continue
+        after = last_use(aliases, order) or max(aliases, key=order.__getitem__)
+        with graph.inserting_after(after):
+            graph.call_function(RELEASE, (root, runtime_id, ds_id))
+    return gm
+
+
+def insert_reduces_pass(gm: GraphModule, *, runtime_id: int, grad_ds_ids: List[Optional[int]]) -> GraphModule:
+    """``grad_ds_ids[i]``: the ds_id whose gradient is backward output ``i`` (None for other inputs)."""
+    graph = gm.graph
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outputs = output_args(graph)
+    if len(outputs) < len(grad_ds_ids):
+        raise AssertionError(f"backward graph has {len(outputs)} outputs, expected >= {len(grad_ds_ids)}")
+    last_placeholder = placeholders(graph)[-1]
+    for i, ds_id in enumerate(grad_ds_ids):
+        grad = outputs[i]
+        if ds_id is None or not isinstance(grad, Node):
+            continue
+        # as soon as the gradient exists: its reduce-scatter overlaps the rest of backward
+        with graph.inserting_after(last_placeholder if grad.op == "placeholder" else grad):
+            graph.call_function(REDUCE, (grad, runtime_id, ds_id))
+        outputs[i] = None
+    out_node.args = (tuple(outputs),)
+    return gm
+
+
+def escaped_saved_names(fw: GraphModule) -> Dict[str, int]:
+    """Names of forward outputs marked as escaped gathered parameters, with their ds_id."""
+    return {n.name: n.meta[META_ESCAPED_DS_ID] for n in output_args(fw.graph)
+            if isinstance(n, Node) and META_ESCAPED_DS_ID in n.meta}
+
+
+def mark_escaped_inputs(bw: GraphModule, escaped: Dict[str, int]) -> Set[str]:
+    """Mark backward placeholders that receive an escaped gathered parameter saved by the forward."""
+    marked = set()
+    for node in placeholders(bw.graph):
+        if node.name in escaped:
+            node.meta[META_ESCAPED_DS_ID] = escaped[node.name]
+            marked.add(node.name)
+    return marked

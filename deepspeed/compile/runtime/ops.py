@@ -1,0 +1,63 @@
+"""The graph ops of deepspeed-compile: the single entry point to them (``torch.ops.dsc.*``).
+
+Each op carries the id of the runtime that owns it (see ``registry``) and a parameter's ``ds_id``; the work is
+done by that runtime. Ops with no result declare the mutation they really perform (``release_param`` frees the
+gathered buffer's storage, ``reduce_grad`` consumes the gradient) so that no compiler drops or reorders them
+across their data.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import registry
+
+NAMESPACE = "dsc"
+
+
+@torch.library.custom_op("dsc::gather_param", mutates_args=())
+def gather_param(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """All-gather parameter ``ds_id`` to its full shape, cast to ``dtype`` first (before sending) if given.
+    ``standin`` is the parameter as the graph sees it: it orders the op after the graph input."""
+    return registry.lookup(runtime_id).gather(ds_id, dtype)
+
+
+@gather_param.register_fake
+def _(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+    return standin.new_empty(standin.shape, dtype=dtype or standin.dtype)
+
+
+def _gather_backward(ctx, grad: Tensor):
+    # The gathered tensor is the parameter itself: its gradient flows to the parameter input unchanged,
+    # where the backward rewrite replaces it by an in-graph reduce-scatter.
+    return grad, None, None, None
+
+
+gather_param.register_autograd(_gather_backward)
+
+
+@torch.library.custom_op("dsc::release_param", mutates_args=("gathered",))
+def release_param(gathered: Tensor, runtime_id: int, ds_id: int) -> None:
+    """Drop one reference to the gathered parameter; the last one frees its storage."""
+    registry.lookup(runtime_id).release(ds_id, gathered)
+
+
+@release_param.register_fake
+def _(gathered: Tensor, runtime_id: int, ds_id: int) -> None:
+    return None
+
+
+@torch.library.custom_op("dsc::reduce_grad", mutates_args=("grad",))
+def reduce_grad(grad: Tensor, runtime_id: int, ds_id: int) -> None:
+    """Queue the full gradient of parameter ``ds_id`` for a bucketed reduce-scatter into its ZeRO partition."""
+    registry.lookup(runtime_id).reduce(ds_id, grad)
+
+
+@reduce_grad.register_fake
+def _(grad: Tensor, runtime_id: int, ds_id: int) -> None:
+    return None
+
+
+GATHER = torch.ops.dsc.gather_param.default
+RELEASE = torch.ops.dsc.release_param.default
+REDUCE = torch.ops.dsc.reduce_grad.default

@@ -1,0 +1,185 @@
+"""The per-engine ZeRO-3 runtime behind the graph ops.
+
+One :class:`Z3Runtime` per compiled engine owns: the parameter registry (``ds_id`` -> parameter), the
+gathered buffers with a reference count each (a parameter gathered by two graphs is gathered once),
+live/peak gathered-byte accounting, the bucketed reduce-scatter of gradients into the ZeRO-3 optimizer's
+gradient partitions, and communication byte counters. Collectives go through ``torch.distributed`` on the
+optimizer's data-parallel group; gloo has no AVG, so gradients are pre-divided and summed (as ZeRO-3 does).
+"""
+import datetime
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Parameter
+
+from ..capture import standins
+from ..graph.report import SavedBytes
+from . import registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    allgather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    gathers: int = 0
+    reduces: int = 0
+    live_gathered_bytes: int = 0
+    peak_gathered_bytes: int = 0
+
+
+@dataclass
+class _Gathered:
+    tensor: Tensor
+    refs: int
+    nbytes: int
+
+
+@dataclass
+class _Bucket:
+    items: List[Tuple[Parameter, Tensor]] = field(default_factory=list)
+    numel: int = 0
+
+
+class Z3Runtime:
+
+    def __init__(self, engine, *, fused_cast: bool = True, timeout_s: float = 0.0):
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        self.group = self.optimizer.dp_process_group
+        self.world_size = dist.get_world_size(group=self.group)
+        self.params: Dict[int, Parameter] = {p.ds_id: p for p in engine.module.parameters() if hasattr(p, "ds_id")}
+        self.fused_cast = fused_cast
+        self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else None
+        self.bucket_numel = int(engine.zero_reduce_bucket_size())
+        self.comm_dtype: Optional[torch.dtype] = getattr(self.optimizer, "communication_data_type", None)
+        self.counters = Counters()
+        self.saved = SavedBytes()
+        self.graphs_compiled = 0
+        self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
+        self._buckets: Dict[torch.dtype, _Bucket] = {}
+        self._backward_pending = False
+        self.id = registry.register(self)
+
+    # ----- parameters ------------------------------------------------------------------------------------
+    def gathered_ds_ids(self, inputs) -> Dict[int, int]:
+        """Graph input index -> ds_id for the inputs that are partitioned (not persistent) ZeRO-3 parameters."""
+        return {i: t.ds_id for i, t in enumerate(inputs)
+                if isinstance(t, Parameter) and self.params.get(getattr(t, "ds_id", None)) is t
+                and not getattr(t, "ds_persist", False)}
+
+    def param_ds_ids(self, inputs) -> List[Optional[int]]:
+        """ds_id of every graph input that is one of this engine's ZeRO-3 parameters (None elsewhere)."""
+        return [t.ds_id if isinstance(t, Parameter) and self.params.get(getattr(t, "ds_id", None)) is t else None
+                for t in inputs]
+
+    # ----- gather / release ------------------------------------------------------------------------------
+    def _wait(self, work) -> None:
+        if self.timeout is None:
+            work.wait()
+        elif not work.wait(self.timeout):
+            raise TimeoutError(f"deepspeed-compile collective did not complete in {self.timeout}")
+
+    def gather(self, ds_id: int, dtype: Optional[torch.dtype]) -> Tensor:
+        param = self.params[ds_id]
+        shard = param.ds_tensor
+        dtype = dtype or shard.dtype
+        key = (ds_id, dtype)
+        entry = self._gathered.get(key)
+        if entry is not None:
+            entry.refs += 1
+            return entry.tensor
+        send = shard if shard.dtype == dtype else shard.to(dtype)  # cast the shard, then gather: less traffic
+        flat = torch.empty(send.numel() * self.world_size, dtype=dtype, device=send.device)
+        self._wait(dist.all_gather_into_tensor(flat, send, group=self.group, async_op=True))
+        full = flat.narrow(0, 0, param.ds_numel).view(param.ds_shape)
+        nbytes = flat.numel() * flat.element_size()
+        self._gathered[key] = _Gathered(full, 1, nbytes)
+        c = self.counters
+        c.gathers += 1
+        c.allgather_bytes += nbytes
+        c.live_gathered_bytes += nbytes
+        c.peak_gathered_bytes = max(c.peak_gathered_bytes, c.live_gathered_bytes)
+        return full
+
+    def release(self, ds_id: int, tensor: Tensor) -> None:
+        key = (ds_id, tensor.dtype)
+        entry = self._gathered.get(key)
+        if entry is None:
+            raise AssertionError(f"release of parameter {ds_id} ({tensor.dtype}) that is not gathered")
+        entry.refs -= 1
+        if entry.refs == 0:
+            # free the storage now: the graph may still hold Python references to the tensor
+            entry.tensor.untyped_storage().resize_(0)
+            del self._gathered[key]
+            self.counters.live_gathered_bytes -= entry.nbytes
+
+    # ----- gradient reduction ----------------------------------------------------------------------------
+    def reduce(self, ds_id: int, grad: Tensor) -> None:
+        param = self.params[ds_id]
+        dtype = self.comm_dtype or grad.dtype
+        bucket = self._buckets.setdefault(dtype, _Bucket())
+        bucket.items.append((param, grad))
+        bucket.numel += param.partition_numel() * self.world_size
+        self.counters.reduces += 1
+        if bucket.numel >= self.bucket_numel:
+            self._flush(dtype)
+
+    def _flush(self, dtype: torch.dtype) -> None:
+        bucket = self._buckets.pop(dtype, None)
+        if bucket is None or not bucket.items:
+            return
+        world = self.world_size
+        widths = [p.partition_numel() for p, _ in bucket.items]
+        device = bucket.items[0][1].device
+        # row r holds rank r's slice of every gradient, padded: reduce-scatter hands row r to rank r
+        send = torch.zeros(world, sum(widths), dtype=dtype, device=device)
+        offset = 0
+        for (param, grad), width in zip(bucket.items, widths):
+            flat = grad.reshape(-1)
+            for r in range(world):
+                part = flat[r * width:min((r + 1) * width, flat.numel())]
+                if part.numel():
+                    send[r, offset:offset + part.numel()].copy_(part)
+            offset += width
+        send.div_(world)
+        recv = torch.empty(sum(widths), dtype=dtype, device=device)
+        self._wait(dist.reduce_scatter_tensor(recv, send.view(-1), group=self.group, async_op=True))
+        self.counters.reduce_scatter_bytes += send.numel() * send.element_size()
+        params = [p for p, _ in bucket.items]
+        partitions = list(recv.split(widths))
+        # DeepSpeed's own bookkeeping: copies (first micro-step) or accumulates into the optimizer's partitions
+        self.optimizer.partition_grads(params, partitions)
+
+    # ----- engine hooks ----------------------------------------------------------------------------------
+    @contextmanager
+    def forward_context(self):
+        standins.install(self.params.values())
+        try:
+            yield
+        finally:
+            self._backward_pending = torch.is_grad_enabled()
+            if not self._backward_pending:
+                standins.uninstall(self.params.values())
+
+    def backward_prologue(self, is_boundary: bool) -> None:
+        return None  # accumulation is the optimizer's (micro_step_id); nothing to prepare per backward
+
+    def backward_epilogue(self) -> None:
+        if not self._backward_pending:
+            return
+        for dtype in sorted(self._buckets, key=str):
+            self._flush(dtype)
+        # DeepSpeed's epilogue points averaged_gradients at the partitions we filled and ends the micro-step
+        self.optimizer.independent_gradient_partition_epilogue()
+        standins.uninstall(self.params.values())
+        self._backward_pending = False
+        if self.counters.live_gathered_bytes:
+            log.warning("deepspeed-compile: %d gathered bytes still live after backward",
+                        self.counters.live_gathered_bytes)

@@ -1,0 +1,91 @@
+"""The benchmark's CPU tensor-memory measurement: known allocations give the known peak (single process)."""
+import sys
+import threading
+
+import pytest
+import torch
+
+from checkout import REPO_ROOT
+
+sys.path.insert(0, REPO_ROOT)
+from benchmarks.memory import (PAGE_BYTES, MemoryTimeline, _LiveBlocks, live_tensor_bytes, mark,  # noqa: E402
+                               step_peak, trace_memory)
+
+MiB = 1 << 20
+
+
+def _alloc(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def test_peak_of_known_allocations():
+    with trace_memory() as result:
+        with mark("step"):
+            a = _alloc(1 * MiB)
+            b = _alloc(3 * MiB)
+            del a
+            c = _alloc(2 * MiB)  # live: 3 + 2 = 5 MiB, below the 1 + 3 + 2 a leak would give
+            d = _alloc(1 * MiB)  # peak: 6 MiB
+            del b, c, d
+    timeline = result["timeline"]
+    assert abs(timeline.peak_bytes - 6 * MiB) <= 4 * PAGE_BYTES
+    assert abs(timeline.end_bytes) <= 4 * PAGE_BYTES
+    step = step_peak(timeline, "step")
+    assert step is not None and abs(step.peak_bytes - 6 * MiB) <= 4 * PAGE_BYTES
+
+
+def test_window_rebases_on_a_later_step():
+    keep = None
+    with trace_memory() as result:
+        with mark("step"):
+            keep = _alloc(4 * MiB)  # allocated in the first step, still live in the second
+        with mark("step"):
+            x = _alloc(2 * MiB)
+            del x
+    del keep
+    step = step_peak(result["timeline"], "step")
+    assert abs(step.peak_bytes - 2 * MiB) <= PAGE_BYTES
+    assert [name for name, _, _ in result["timeline"].marks] == ["step", "step"]
+
+
+def test_free_on_unwatched_thread_is_recovered_by_address():
+    # The profiler does not see frees on other threads (gloo's); an allocation over the same range retires it.
+    blocks = _LiveBlocks()
+    blocks.alloc(1000, 100)
+    blocks.alloc(5000, 50)
+    blocks.alloc(1050, 10)  # inside the first block: it must have been freed
+    assert blocks.total == 60 and blocks.inferred_frees == 1
+    blocks.alloc(4990, 20)  # overlaps the start of the block at 5000
+    assert blocks.total == 30 and blocks.inferred_frees == 2
+    assert blocks.free(1050) and not blocks.free(1050)
+
+
+def test_thread_free_does_not_inflate_peak_forever():
+    with trace_memory() as result:
+        for _ in range(5):
+            t = _alloc(2 * MiB)
+            worker = threading.Thread(target=lambda box=[t]: box.clear())
+            del t
+            worker.start()
+            worker.join()
+    # Whether or not the allocator reuses the address, at most one block per round can be leaked.
+    assert result["timeline"].peak_bytes <= 5 * 2 * MiB + PAGE_BYTES
+    assert result["timeline"].peak_bytes >= 2 * MiB
+
+
+def test_window_of_timeline():
+    tl = MemoryTimeline(times_s=[0.1, 0.2, 0.3, 0.4], live_bytes=[10, 30, 20, 5], marks=[("step", 0.15, 0.35)])
+    w = step_peak(tl, "step")
+    assert w.peak_bytes == 20 and w.live_bytes[-1] == 10 and w.times_s[0] == 0.0
+
+
+def test_census_sees_a_new_tensor():
+    before = live_tensor_bytes()
+    t = _alloc(8 * MiB)
+    after = live_tensor_bytes()
+    assert abs(after - before - 8 * MiB) <= PAGE_BYTES
+    del t
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
