@@ -32,6 +32,7 @@ class Counters:
     reduces: int = 0
     live_gathered_bytes: int = 0
     peak_gathered_bytes: int = 0
+    allgather_bytes_by_dtype: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Z3Runtime:
         c = self.counters
         c.gathers += 1
         c.allgather_bytes += nbytes
+        c.allgather_bytes_by_dtype[str(dtype)] = c.allgather_bytes_by_dtype.get(str(dtype), 0) + nbytes
         c.live_gathered_bytes += nbytes
         c.peak_gathered_bytes = max(c.peak_gathered_bytes, c.live_gathered_bytes)
         return full

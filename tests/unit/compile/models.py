@@ -75,14 +75,28 @@ class PartlyFrozen(nn.Module):
         return F.mse_loss(self.out(torch.relu(self.trained(torch.relu(self.frozen(x))))).squeeze(-1), y)
 
 
+class BranchyMLP(OddMLP):
+    """A data-dependent branch in the middle of forward: dynamo breaks the graph there."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        if h.mean() > 0:  # data-dependent: graph break
+            h = h * 2
+        h = torch.tanh(self.fc2(h))
+        return F.mse_loss(self.head(h), y)
+
+
+MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP}
+
+
 def make_model(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": OddMLP, "gpt": TinyGPT, "frozen": PartlyFrozen}[name]()
+    return MODELS[name]()
 
 
 def make_batch(name: str, step: int, rank: int, batch: int = 4):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name == "mlp":
+    if name in ("mlp", "branchy"):
         return torch.randn(batch, 16, generator=g), torch.randn(batch, 16, generator=g)
     if name == "gpt":
         idx = torch.randint(0, 97, (batch, 16), generator=g)

@@ -1,6 +1,6 @@
 """Rank-side helpers: build a DeepSpeed engine on one of the test models and train it."""
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import deepspeed
 import torch
@@ -28,16 +28,19 @@ def make_engine(model_name: str, config: Dict[str, Any], seed: int = 0):
     return engine
 
 
-def train(engine, model_name: str, steps: int, compile_kwargs: Optional[Dict[str, Any]] = None) -> List[float]:
+def train(engine, model_name: str, steps: int, compile_kwargs: Optional[Dict[str, Any]] = None,
+          after_step: Optional[Callable[[Any], None]] = None, first_step: int = 0) -> List[float]:
     if compile_kwargs is not None:
         engine.compile(**compile_kwargs)
     rank = torch.distributed.get_rank()
     losses = []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         for micro in range(engine.gradient_accumulation_steps()):
             batch = make_batch(model_name, step * 100 + micro, rank)
             loss = engine(*batch)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        if after_step is not None:
+            after_step(engine)
     return losses

@@ -1,0 +1,118 @@
+"""Benchmark models: a small GPT and a small randomly initialised Llama (``transformers``, no download).
+
+Every model takes ``(idx, targets)`` and returns the mean cross-entropy loss, so DeepSpeed and FSDP2 drive
+them the same way; ``blocks(model)`` lists the repeated layers that FSDP2 shards one by one.
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    vocab: int
+    dim: int
+    heads: int
+    layers: int
+    seq: int
+    batch: int
+
+
+SIZES: Dict[str, ModelSize] = {
+    "small": ModelSize(vocab=512, dim=128, heads=4, layers=4, seq=64, batch=4),
+    "large": ModelSize(vocab=2048, dim=256, heads=8, layers=8, seq=128, batch=4),
+}
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with one fused QKV weight that is split in forward."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """GPT with tied input/output embeddings (one parameter used twice, once transposed)."""
+
+    def __init__(self, size: ModelSize):
+        super().__init__()
+        self.tok = nn.Embedding(size.vocab, size.dim)
+        self.pos = nn.Parameter(torch.randn(size.seq, size.dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(size.dim, size.heads) for _ in range(size.layers))
+        self.ln = nn.LayerNorm(size.dim)
+        nn.init.normal_(self.tok.weight, std=0.02)  # tied output head: unit-variance rows would give huge logits
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[:idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln(x), self.tok.weight)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class Llama(nn.Module):
+    """``transformers.LlamaForCausalLM`` with random weights, returning the loss of (idx, targets)."""
+
+    def __init__(self, size: ModelSize):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+        config = LlamaConfig(vocab_size=size.vocab, hidden_size=size.dim, intermediate_size=(8 * size.dim) // 3,
+                             num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                             num_key_value_heads=max(1, size.heads // 2), max_position_embeddings=size.seq,
+                             use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
+        self.model = LlamaForCausalLM(config)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=idx, use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+MODELS = {"gpt": GPT, "llama": Llama}
+
+
+def make_model(name: str, size: str = "small", seed: int = 0) -> nn.Module:
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    torch.manual_seed(seed)
+    return MODELS[name](SIZES[size])
+
+
+def blocks(model: nn.Module) -> List[nn.Module]:
+    """The repeated layers (FSDP2 shards each one, then the root)."""
+    if isinstance(model, GPT):
+        return list(model.blocks)
+    if isinstance(model, Llama):
+        return list(model.model.model.layers)
+    raise TypeError(f"no block list for {type(model).__name__}")
+
+
+def make_batch(size: str, step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic batch per (step, rank): next-token targets of random token ids."""
+    s = SIZES[size]
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    idx = torch.randint(0, s.vocab, (s.batch, s.seq + 1), generator=g)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

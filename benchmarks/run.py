@@ -1,0 +1,188 @@
+"""Side-by-side benchmark: eager ZeRO-3, ZeRO-3 + torch.compile, DeepCompile (ours, two partitioners), FSDP2.
+
+    python benchmarks/run.py                                  # default matrix, small GPT, 2 CPU ranks
+    python benchmarks/run.py --model llama --rows zero3,ours-mincut --dtypes fp32 --backends eager,inductor
+
+Each configuration runs in a fresh 2-rank launch (``torch.distributed.run --standalone``) on the same model,
+data and seeds (``benchmarks/worker.py``). Prints a Markdown table, writes ``results_<model>.json`` and the
+memory plots under ``--out`` (default ``out/bench``). Final losses of one dtype are checked against eager
+ZeRO-3 of that dtype (or the first row if it was not run); a mismatch is reported as FAILED and makes the exit
+status non-zero, as does a configuration that crashed.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from benchmarks.plots import config_name, file_stem, plot_all  # noqa: E402
+from benchmarks.worker import DTYPES, ROWS  # noqa: E402
+
+# Final-loss agreement within one dtype, relative to the reference row. fp32: the math is the same, compiled
+# kernels only reorder reductions, so differences stay at fp32 round-off amplified by a few Adam steps.
+# bf16 / autocast: 8-bit mantissas (relative rounding 2^-8 = 0.4%), and fused kernels keep fp32 intermediates
+# where eager rounds each op to bf16; FSDP2 also keeps fp32 master weights where DeepSpeed's bf16 starts
+# from bf16-rounded ones.
+LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2, "autocast": 2e-2}
+NO_BACKEND = ("zero3", "fsdp2")
+MiB = float(1 << 20)
+
+
+def matrix(rows: List[str], dtypes: List[str], backends: List[str]) -> List[Tuple[str, str, str]]:
+    out = []
+    for dtype in dtypes:
+        for row in rows:
+            for backend in (["-"] if row in NO_BACKEND else backends):
+                out.append((row, backend, dtype))
+    return out
+
+
+def run_config(args: argparse.Namespace, row: str, backend: str, dtype: str) -> Dict[str, Any]:
+    """Launch one configuration on ``--nproc`` ranks; the result dict, or an error record."""
+    stem = file_stem({"model": args.model, "dtype": dtype, "row": row, "backend": backend})
+    out_json = os.path.join(args.out, "runs", f"{stem}.json")
+    log_path = os.path.join(args.out, "runs", f"{stem}.log")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+           os.path.join(REPO_ROOT, "benchmarks", "worker.py"), "--row", row, "--dtype", dtype,
+           "--backend", "eager" if backend == "-" else backend, "--model", args.model, "--size", args.size,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out_json]
+    if args.progress:
+        cmd.append("--progress")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO_ROOT, "build", "torch_extensions"))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(REPO_ROOT, "build", "inductor_cache"))
+    if os.path.exists(out_json):
+        os.remove(out_json)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE if args.progress else log, stderr=log,
+                                  text=True, timeout=args.timeout, env=env)
+            rc = proc.returncode
+            if args.progress and proc.stdout:
+                print(proc.stdout, end="", flush=True)
+                log.write(proc.stdout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    if rc == 0 and os.path.exists(out_json):
+        with open(out_json) as f:
+            result = json.load(f)
+        result["wall_s"] = wall
+        return result
+    with open(log_path) as f:
+        tail = f.read()[-2000:]
+    return {"row": row, "backend": backend, "dtype": dtype, "model": args.model, "size": args.size,
+            "error": f"exit {rc}, log {log_path}", "log_tail": tail, "wall_s": wall}
+
+
+def check_losses(results: List[Dict[str, Any]]) -> None:
+    """Set ``loss_check`` on every result: ok / FAILED against the dtype's reference row."""
+    for dtype in DTYPES:
+        group = [r for r in results if r["dtype"] == dtype and "error" not in r]
+        if not group:
+            continue
+        ref = next((r for r in group if r["row"] == "zero3"), group[0])
+        for r in group:
+            rel = abs(r["final_loss"] - ref["final_loss"]) / max(abs(ref["final_loss"]), 1e-12)
+            r["loss_rel_diff"] = rel
+            r["loss_ref"] = config_name(ref)
+            r["loss_check"] = "ok" if rel <= LOSS_RTOL[dtype] else "FAILED"
+            base = [x for x in group if x["row"] == "zero3"]
+            r["speedup_vs_zero3"] = base[0]["median_step_s"] / r["median_step_s"] if base else None
+
+
+def _mib(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value / MiB:.2f}"
+
+
+def table(results: List[Dict[str, Any]]) -> str:
+    head = ("| dtype | configuration | median step (s) | zero3 step / step | first step (s) | peak above start "
+            "(MiB) | peak abs (MiB) | saved param (MiB) | saved other (MiB) | all-gather (MiB/step) | "
+            "reduce-scatter (MiB/step) | final loss | loss check |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['dtype']} | {config_name(r)} | ERROR: {r['error']} |" + " |" * 10)  # 13 columns
+            continue
+        speed = "n/a" if r.get("speedup_vs_zero3") is None else f"{r['speedup_vs_zero3']:.2f}x"
+        saved_mark = "" if r.get("saved_source") == "engine_report" else "*"
+        comm_mark = "" if r.get("comm_source") == "engine_report" else "†"
+        check = r.get("loss_check", "n/a")
+        check = f"**FAILED** ({r['loss_rel_diff']:.1e} vs {r['loss_ref']})" if check == "FAILED" else \
+            f"ok ({r.get('loss_rel_diff', 0):.0e})"
+        lines.append(
+            f"| {r['dtype']} | {config_name(r)} | {r['median_step_s']:.3f} | {speed} | {r['first_step_s']:.2f} | "
+            f"{_mib(r['peak_above_start_bytes'])} | {_mib(r['peak_bytes'])} | "
+            f"{_mib(r['saved_param_bytes'])}{saved_mark} | {_mib(r['saved_other_bytes'])}{saved_mark} | "
+            f"{_mib(r['allgather_bytes_per_step'])}{comm_mark} | {_mib(r['reduce_scatter_bytes_per_step'])}"
+            f"{comm_mark} | {r['final_loss']:.5f} | {check} |")
+    lines.append("")
+    lines.append("\\* from the autograd graph (param-derived is a lower bound for compiled graphs); † counted at "
+                 "torch.distributed; unmarked: the DeepCompile engine's own report. Loss tolerance (relative): "
+                 + ", ".join(f"{k} {v:g}" for k, v in LOSS_RTOL.items()) + ".")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of fp32,bf16,autocast")
+    p.add_argument("--backends", default="eager", help="compile backends for compiled rows: eager,inductor")
+    p.add_argument("--model", default="gpt", choices=("gpt", "llama"))
+    p.add_argument("--size", default="small", choices=("small", "large"))
+    p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per configuration")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
+    p.add_argument("--out", default=os.path.join(REPO_ROOT, "out", "bench"))
+    p.add_argument("--progress", action="store_true", help="show each step of each configuration")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    for name, allowed in (("rows", ROWS), ("dtypes", DTYPES), ("backends", ("eager", "inductor"))):
+        values = [v for v in getattr(args, name).split(",") if v]
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            p.error(f"--{name}: {bad or 'empty'} not in {','.join(allowed)}")
+        setattr(args, name, values)
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    configs = matrix(args.rows, args.dtypes, args.backends)
+    t0 = time.perf_counter()
+    results = []
+    for i, (row, backend, dtype) in enumerate(configs):
+        print(f"[{i + 1}/{len(configs)}] {dtype} {row}{'' if backend == '-' else f'[{backend}]'} ...",
+              end="" if not args.progress else "\n", flush=True)
+        r = run_config(args, row, backend, dtype)
+        results.append(r)
+        status = r["error"] if "error" in r else f"median {r['median_step_s']:.3f} s, loss {r['final_loss']:.5f}"
+        print(f" {status} ({r['wall_s']:.0f} s wall)", flush=True)
+    check_losses(results)
+    print()
+    print(f"## {args.model} ({args.size}), {args.nproc} CPU ranks, {args.steps} timed steps\n")
+    print(table(results))
+    json_path = os.path.join(args.out, f"results_{args.model}.json")
+    with open(json_path, "w") as f:
+        json.dump({"args": vars(args), "loss_rtol": LOSS_RTOL, "results": results}, f, indent=1)
+    print(f"\nJSON: {json_path}")
+    if not args.no_plots:
+        ok = [r for r in results if "error" not in r]
+        for path in plot_all(ok, args.out):
+            print(f"plot: {path}")
+    print(f"total wall time {time.perf_counter() - t0:.0f} s")
+    failed = [r for r in results if "error" in r or r.get("loss_check") == "FAILED"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

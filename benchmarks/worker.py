@@ -1,0 +1,237 @@
+"""One benchmark configuration on the ranks of one launch (torchrun or the deepspeed launcher).
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/worker.py \
+        --row ours-mincut --backend eager --dtype fp32 --model gpt --out result.json
+
+Trains ``1 + warmup + steps + 2`` steps on the same model, data and seeds for every row: the first step is
+timed as the compile step, ``steps`` are timed (their median is the step time) with collectives counted, the
+last two run under the memory profiler (the first of them warms the trace and reads saved-for-backward bytes;
+the second is the measured step). Rank 0 writes the result as JSON.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "unit", "compile"))
+import checkout  # noqa: E402,F401  (the checkout's deepspeed.compile, before deepspeed is imported)
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks.comm import count_collectives  # noqa: E402
+from benchmarks.memory import live_tensor_bytes, mark, step_peak, trace_memory  # noqa: E402
+from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_count  # noqa: E402
+from benchmarks.saved import saved_bytes  # noqa: E402
+
+ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-default", "fsdp2", "fsdp2+compile")
+DTYPES = ("fp32", "bf16", "autocast")
+LR = 1e-3
+CLIP = 1.0  # DeepSpeed 0.19.8 clips at norm 1.0 by default; FSDP2 is clipped the same way
+
+Step = Tuple[Callable[[Tuple[torch.Tensor, ...]], torch.Tensor], Callable[[torch.Tensor], None], Callable[[], None]]
+
+
+def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """One ZeRO-3 config for every DeepSpeed row; buckets sized to the model (the defaults preallocate GBs)."""
+    bucket = int(max(model_numel // 4, 1 << 16))
+    config: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                              "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": bucket,
+                              "stage3_max_reuse_distance": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif dtype == "autocast":
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    if compile_section is not None:
+        config["compile"] = compile_section
+    return config
+
+
+def report_module():
+    """``deepspeed.compile.report`` if this build of the module has it, else None (columns show n/a)."""
+    try:
+        from deepspeed.compile import report
+    except ImportError:
+        return None
+    return report if hasattr(report, "engine_report") else None
+
+
+def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[Step, Any]:
+    import deepspeed
+    section = None
+    if args.row.startswith("ours-"):
+        section = {"deepcompile": True, "partitioner": args.row.split("-", 1)[1].replace("mincut", "min_cut")}
+    config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    if args.row != "zero3":
+        engine.compile(backend=args.backend)
+    return (lambda batch: engine(*batch), engine.backward, engine.step), engine
+
+
+def build_fsdp2(args: argparse.Namespace, model: torch.nn.Module) -> Step:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy()
+    if args.dtype == "autocast":  # bf16 compute, fp32 gradient reduction: the counterpart of torch autocast
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif args.dtype == "bf16":  # bf16 compute and reduction over fp32 master weights, as DeepSpeed's bf16
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    forward = torch.compile(model, backend=args.backend) if args.row == "fsdp2+compile" else model
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return (lambda batch: forward(*batch), lambda loss: loss.backward(), step)
+
+
+def train_step(fns: Step, batch: Tuple[torch.Tensor, ...], walk: bool = False) -> Tuple[float, Optional[Tuple]]:
+    forward, backward, optimizer_step = fns
+    saved = None
+    with mark("step"):
+        with mark("forward"):
+            loss = forward(batch)
+        if walk:
+            saved = saved_bytes(loss)
+        with mark("backward"):
+            backward(loss)
+        with mark("optimizer"):
+            optimizer_step()
+    return loss.item(), saved
+
+
+def _downsample(times: List[float], values: List[int], limit: int = 4000) -> Tuple[List[float], List[int]]:
+    """Keep every local extremum of a long curve in ``limit`` buckets (the peak is never dropped)."""
+    if len(times) <= limit:
+        return times, values
+    out_t, out_v, width = [], [], len(times) / (limit / 2)
+    for i in range(int(limit / 2)):
+        lo, hi = int(i * width), max(int((i + 1) * width), int(i * width) + 1)
+        seg = range(lo, min(hi, len(times)))
+        for j in sorted({min(seg, key=values.__getitem__), max(seg, key=values.__getitem__)}):
+            out_t.append(times[j])
+            out_v.append(values[j])
+    return out_t, out_v
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    rank = dist.get_rank()
+    model = make_model(args.model, args.size, args.seed)
+    n_params = parameter_count(model)
+    engine, report = None, None
+    if args.row.startswith("fsdp2"):
+        fns = build_fsdp2(args, model)
+    else:
+        fns, engine = build_deepspeed(args, model)
+        report = report_module() if args.row.startswith("ours-") else None
+    batches = [make_batch(args.size, i, rank) for i in range(1 + args.warmup + args.steps + 2)]
+    losses, times = [], []
+
+    def timed(i: int, walk: bool = False) -> Optional[Tuple]:
+        t0 = time.perf_counter()
+        loss, saved = train_step(fns, batches[i], walk)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        if args.progress and rank == 0:
+            print(f"[{args.row}/{args.backend}/{args.dtype}] step {i:3d}  loss {loss:.5f}  "
+                  f"time {times[-1]:.3f} s", flush=True)
+        return saved
+
+    for i in range(1 + args.warmup):
+        timed(i)
+    if report is not None and engine is not None:
+        report.reset_counters(engine)
+    with count_collectives() as counts:
+        for i in range(1 + args.warmup, 1 + args.warmup + args.steps):
+            timed(i)
+    ours = report.engine_report(engine) if report is not None else None
+    persistent = live_tensor_bytes()
+    with trace_memory() as traced:
+        saved = timed(len(times), walk=True)
+        timed(len(times))
+    timeline = step_peak(traced["timeline"], "step")
+    peak_above = timeline.peak_bytes if timeline is not None else None
+
+    mean_loss = torch.tensor([losses[-1]], dtype=torch.float64)
+    dist.all_reduce(mean_loss)
+    result: Dict[str, Any] = {
+        "row": args.row, "backend": args.backend if args.row not in ("zero3", "fsdp2") else "-",
+        "dtype": args.dtype, "model": args.model, "size": args.size, "world_size": dist.get_world_size(),
+        "params": n_params,
+        "first_step_s": times[0], "step_times_s": times[1 + args.warmup:1 + args.warmup + args.steps],
+        "median_step_s": statistics.median(times[1 + args.warmup:1 + args.warmup + args.steps]),
+        "losses": losses, "final_loss": mean_loss.item() / dist.get_world_size(),
+        "peak_above_start_bytes": peak_above, "persistent_bytes": persistent,
+        "peak_bytes": None if peak_above is None else persistent + peak_above,
+        "saved_param_bytes": saved[0], "saved_other_bytes": saved[1], "saved_source": "autograd-walk",
+        "allgather_bytes_per_step": counts.allgather_bytes / args.steps,
+        "reduce_scatter_bytes_per_step": counts.reduce_scatter_bytes / args.steps,
+        "comm_source": "torch.distributed", "peak_gathered_bytes": None, "report": ours,
+    }
+    if ours is not None:
+        result.update(saved_param_bytes=ours.get("saved_param_bytes"), saved_other_bytes=ours.get("saved_other_bytes"),
+                      saved_source="engine_report", comm_source="engine_report",
+                      allgather_bytes_per_step=ours.get("allgather_bytes", 0) / args.steps,
+                      reduce_scatter_bytes_per_step=ours.get("reduce_scatter_bytes", 0) / args.steps,
+                      peak_gathered_bytes=ours.get("peak_gathered_bytes"))
+    if timeline is not None:
+        t, v = _downsample(timeline.times_s, timeline.live_bytes)
+        result["timeline"] = {"times_s": t, "live_bytes": v, "marks": timeline.marks,
+                              "inferred_frees": timeline.inferred_frees}
+    return result
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--row", choices=ROWS, required=True)
+    p.add_argument("--backend", choices=("eager", "inductor"), default="eager")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    p.add_argument("--model", default="gpt")
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action="store_true", help="print one line per step on rank 0")
+    p.add_argument("--out", help="JSON result path (rank 0)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    result = run(args)
+    if dist.get_rank() == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""Static memory plan of a graph in a given node order: what is live at each node, from the graph alone.
+
+Every number here comes from the graph's own tensor metadata (``node.meta["val"]``): no process group, no run.
+A *storage* is a tensor that owns memory; views and other aliases (read from the op schemas) share their
+base's storage and are never counted twice. A storage is live from the node that creates it to the last node
+that reads it or any of its aliases; a gathered parameter therefore lives from its ``gather_param`` to its
+``release_param``. Graph inputs are resident for the whole graph and are reported apart.
+
+The same facts serve the scheduler (``fast_free``): which nodes alias which, which nodes mutate what.
+"""
+import dataclasses
+import logging
+import operator
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from ..runtime.ops import GATHER, REDUCE, RELEASE
+
+logger = logging.getLogger(__name__)
+
+VAL_KEY = "val"  # FakeTensor (or tuple of them) set by make_fx / AOTAutograd
+TENSOR_META_KEY = "tensor_meta"  # TensorMetadata, the fallback when a node has no "val"
+
+GATHERED = "gathered"
+ACTIVATION = "activation"
+GRADIENT = "gradient"
+INPUT = "input"
+
+# Ops whose result shares storage with their first argument without declaring it in the schema.
+_UNDECLARED_ALIAS_OPS = (torch.ops.aten._unsafe_view.default, )
+
+GraphLike = Union[GraphModule, Graph, Sequence[Node]]
+
+
+def is_gather(node: Node) -> bool:
+    return node.op == "call_function" and node.target is GATHER
+
+
+def is_release(node: Node) -> bool:
+    return node.op == "call_function" and node.target is RELEASE
+
+
+def is_reduce(node: Node) -> bool:
+    return node.op == "call_function" and node.target is REDUCE
+
+
+def is_collective(node: Node) -> bool:
+    """Collectives must be issued in the same order on every rank."""
+    return is_gather(node) or is_reduce(node)
+
+
+def nodes_of(graph: GraphLike) -> List[Node]:
+    if isinstance(graph, GraphModule):
+        return list(graph.graph.nodes)
+    if isinstance(graph, Graph):
+        return list(graph.nodes)
+    return list(graph)
+
+
+def _arg_value(node: Node, index: int, name: str):
+    if index < len(node.args):
+        return node.args[index]
+    return node.kwargs.get(name)
+
+
+def alias_source(node: Node) -> Optional[Node]:
+    """The input whose storage ``node``'s result shares (a view, an in-place result), or None."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        # An element of an aliasing multi-output op (split, unbind, chunk) aliases that op's input.
+        source = node.args[0]
+        return alias_source(source) if isinstance(source, Node) else None
+    if node.target in _UNDECLARED_ALIAS_OPS:
+        first = node.args[0] if node.args else None
+        return first if isinstance(first, Node) else None
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for ret in schema.returns:
+        if ret.alias_info is None:
+            continue
+        for index, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.before_set & ret.alias_info.before_set:
+                value = _arg_value(node, index, arg.name)
+                if isinstance(value, Node):
+                    return value
+    return None
+
+
+def mutated_inputs(node: Node) -> List[Node]:
+    """Inputs that ``node`` writes to (declared ``Tensor(a!)`` in its schema): release and reduce among them."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    found = []
+    for index, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = _arg_value(node, index, arg.name)
+            if isinstance(value, Node):
+                found.append(value)
+    return found
+
+
+def storage_roots(nodes: Sequence[Node]) -> Dict[Node, Node]:
+    """Map each node to the node that owns its storage (itself unless it is an alias)."""
+    roots: Dict[Node, Node] = {}
+    for node in nodes:
+        source = alias_source(node)
+        roots[node] = roots.get(source, source) if source is not None else node
+    return roots
+
+
+def alias_members(nodes: Sequence[Node], roots: Dict[Node, Node]) -> Dict[Node, List[Node]]:
+    """For each storage root, the nodes (itself first, then its aliases in order) that share it."""
+    members: Dict[Node, List[Node]] = {}
+    for node in nodes:
+        members.setdefault(roots[node], []).append(node)
+    return members
+
+
+def _bytes_of(val) -> int:
+    if isinstance(val, torch.Tensor):
+        try:
+            return int(val.numel()) * val.element_size()
+        except (TypeError, RuntimeError):  # unbacked symbolic size: no static answer
+            return 0
+    return 0
+
+
+def node_bytes(node: Node) -> int:
+    """Bytes of ``node``'s tensor result (0 for non-tensors and tuples: their elements are the getitems)."""
+    val = node.meta.get(VAL_KEY)
+    if val is not None:
+        return _bytes_of(val)
+    if is_gather(node):  # a gather inserted without metadata: the stand-in's shape in the requested dtype
+        standin = node.args[0].meta.get(VAL_KEY) if isinstance(node.args[0], Node) else None
+        dtype = _arg_value(node, 3, "dtype")
+        if isinstance(standin, torch.Tensor):
+            return int(standin.numel()) * (dtype.itemsize if dtype is not None else standin.element_size())
+    meta = node.meta.get(TENSOR_META_KEY)
+    if meta is not None and hasattr(meta, "shape"):
+        numel = 1
+        for size in meta.shape:
+            numel *= int(size)
+        return numel * meta.dtype.itemsize
+    return 0
+
+
+@dataclasses.dataclass
+class Storage:
+    """One piece of memory: created at ``birth``, freed after ``death`` (positions in the order)."""
+    root: Node
+    kind: str
+    nbytes: int
+    birth: int
+    death: int
+
+
+def find_storages(order: Sequence[Node]) -> List[Storage]:
+    """The storages of a graph laid out in ``order`` (a topological order of all its nodes)."""
+    pos = {node: i for i, node in enumerate(order)}
+    roots = storage_roots(order)
+    members = alias_members(order, roots)
+    gradient_roots = {roots[n.args[0]] for n in order if is_reduce(n) and isinstance(n.args[0], Node)}
+    storages = []
+    for root, group in members.items():
+        if root.op == "output" or is_release(root) or is_reduce(root):
+            continue
+        nbytes = node_bytes(root)
+        if nbytes == 0:
+            continue
+        birth = pos[root]
+        if root.op == "call_function" and root.target is operator.getitem and isinstance(root.args[0], Node):
+            birth = pos[root.args[0]]  # an element of a multi-output op exists from that op on
+        death = max(max((pos[user] for member in group for user in member.users), default=birth), birth)
+        if root.op in ("placeholder", "get_attr"):
+            kind, birth, death = INPUT, 0, len(order) - 1  # owned by the caller: resident throughout
+        elif is_gather(root):
+            kind = GATHERED
+        elif root in gradient_roots:
+            kind = GRADIENT
+        else:
+            kind = ACTIVATION
+        storages.append(Storage(root, kind, nbytes, birth, death))
+    return storages
+
+
+@dataclasses.dataclass
+class NodeMemory:
+    """Live bytes while one node runs, by kind; ``inputs`` (graph inputs) are resident throughout."""
+    index: int
+    name: str
+    gathered: int = 0
+    activation: int = 0
+    gradient: int = 0
+    inputs: int = 0
+
+    @property
+    def total(self) -> int:
+        """Bytes the graph itself holds at this node (graph inputs excluded)."""
+        return self.gathered + self.activation + self.gradient
+
+
+_FIELD = {GATHERED: "gathered", ACTIVATION: "activation", GRADIENT: "gradient", INPUT: "inputs"}
+
+
+def memory_plan(graph: GraphLike) -> List[NodeMemory]:
+    """Per-node live bytes of ``graph`` in its current order (or of a node sequence, in that order)."""
+    order = nodes_of(graph)
+    storages = find_storages(order)
+    deltas = {kind: [0] * (len(order) + 1) for kind in _FIELD}
+    for storage in storages:
+        delta = deltas[storage.kind]
+        delta[storage.birth] += storage.nbytes
+        delta[storage.death + 1] -= storage.nbytes
+    plan = []
+    running = dict.fromkeys(_FIELD, 0)
+    for i, node in enumerate(order):
+        record = NodeMemory(i, node.name)
+        for kind, field in _FIELD.items():
+            running[kind] += deltas[kind][i]
+            setattr(record, field, running[kind])
+        plan.append(record)
+    return plan
+
+
+def peak_gathered_bytes(graph: GraphLike) -> int:
+    """Largest number of gathered-parameter bytes live at any one node."""
+    return max((record.gathered for record in memory_plan(graph)), default=0)
+
+
+def largest_gathered_bytes(graph: GraphLike) -> int:
+    """Bytes of the largest single gathered parameter: the unit the scheduler's optimality is stated in."""
+    return max((node_bytes(n) for n in nodes_of(graph) if is_gather(n)), default=0)
+
+
+@dataclasses.dataclass
+class LowerBound:
+    """What some single node needs at once, in every order that respects the graph's data dependencies."""
+    gathered_bytes: int
+    activation_bytes: int
+    node: Optional[str]
+
+
+def _bits(mask: int) -> List[int]:
+    text = bin(mask)[:1:-1]  # least significant bit first
+    found, at = [], text.find("1")
+    while at != -1:
+        found.append(at)
+        at = text.find("1", at + 1)
+    return found
+
+
+def _reachability(order: Sequence[Node], pos: Dict[Node, int]) -> Tuple[List[int], List[int]]:
+    """Strict ancestor and descendant sets of every node, as bit masks over positions (data edges only)."""
+    ancestors = [0] * len(order)
+    descendants = [0] * len(order)
+    for i, node in enumerate(order):
+        mask = 0
+        for source in node.all_input_nodes:
+            mask |= ancestors[pos[source]] | (1 << pos[source])
+        ancestors[i] = mask
+    for i in range(len(order) - 1, -1, -1):
+        mask = 0
+        for user in order[i].users:
+            mask |= descendants[pos[user]] | (1 << pos[user])
+        descendants[i] = mask
+    return ancestors, descendants
+
+
+def gathered_lower_bound(graph: GraphLike) -> LowerBound:
+    """A lower bound on the peak of live gathered bytes that no order of this graph can go under.
+
+    Each parameter is gathered once, so it is live at every node that reads it (or an alias of it) and at
+    every node that data dependencies force between two such readers. The bound is the largest total of
+    such parameters at one node; ``activation_bytes`` are that node's own non-input tensors (read and made).
+    """
+    order = nodes_of(graph)
+    pos = {node: i for i, node in enumerate(order)}
+    roots = storage_roots(order)
+    members = alias_members(order, roots)
+    sizes = {s.root: s for s in find_storages(order)}
+    ancestors, descendants = _reachability(order, pos)
+    need = [0] * len(order)
+    for gather in (n for n in order if is_gather(n)):
+        readers = {user for member in members[gather] for user in member.users if not is_release(user)}
+        if not readers:
+            continue
+        below = above = own = 0
+        for reader in readers:
+            below |= descendants[pos[reader]]
+            above |= ancestors[pos[reader]]
+            own |= 1 << pos[reader]
+        for i in _bits((below & above) | own):
+            need[i] += node_bytes(gather)
+    best = max(range(len(order)), key=lambda i: need[i], default=None)
+    if best is None or need[best] == 0:
+        return LowerBound(0, 0, None)
+    node = order[best]
+    touched = {roots[n] for n in node.all_input_nodes} | {roots[node]}
+    activation = sum(sizes[r].nbytes for r in touched if r in sizes and sizes[r].kind in (ACTIVATION, GRADIENT))
+    return LowerBound(need[best], activation, node.name)
