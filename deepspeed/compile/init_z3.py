@@ -34,15 +34,17 @@ def init_z3(engine, backend, compile_config: CompileConfig, compile_kwargs, sche
     eager_hooks.switch_off(engine)
 
     def on_failure(err: BaseException) -> None:
-        logger.error(f"deepspeed-compile: compiling a graph failed ({type(err).__name__}: {err}); "
-                     "switching the engine back to eager ZeRO-3")
-        deactivate(engine)
+        logger.error(f"deepspeed-compile: compiling a graph failed ({type(err).__name__}: {err}); the engine "
+                     "runs uncompiled eager ZeRO-3 from the next step on (engine.compile() tries again)")
+        deactivate(engine, uncompile=True)
 
     return make_backend(runtime, compile_config, backend, on_failure)
 
 
-def deactivate(engine) -> None:
-    """Return ``engine`` to eager ZeRO-3: stand-ins out, eager hooks back on, DeepCompile marked inactive."""
+def deactivate(engine, uncompile: bool = False) -> None:
+    """Return ``engine`` to eager ZeRO-3: stand-ins out, eager hooks back on, DeepCompile marked inactive.
+    With ``uncompile`` the module's ``torch.compile`` wrapper is dropped too: after a failed compile the eager
+    ZeRO-3 hooks must run as plain Python, not be re-traced by dynamo."""
     from .capture import eager_hooks, standins
     runtime = getattr(engine, RUNTIME_ATTR, None)
     if runtime is not None:
@@ -50,3 +52,7 @@ def deactivate(engine) -> None:
     eager_hooks.switch_on(engine)
     if engine.is_deepcompile_active():
         engine._set_deepcompile_active(False)
+    if uncompile:
+        # nn.Module.compile() keeps its wrapper here; the engine records compilation in _is_compiled
+        engine.module._compiled_call_impl = None
+        engine._is_compiled = False

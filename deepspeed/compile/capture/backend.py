@@ -88,6 +88,9 @@ def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Calla
     """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module."""
 
     def compile_graph(gm: GraphModule, example_inputs):
+        if not runtime.engine.is_deepcompile_active():
+            # the engine went back to eager ZeRO-3 (a failed compile): plain torch.compile from here on
+            return gm.forward
         try:
             gathered = runtime.gathered_ds_ids(example_inputs)
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)

@@ -68,6 +68,10 @@ class Z3Runtime:
         self._backward_pending = False
         self.id = registry.register(self)
 
+    def reset_counters(self) -> None:
+        live = self.counters.live_gathered_bytes
+        self.counters = Counters(live_gathered_bytes=live, peak_gathered_bytes=live)
+
     # ----- parameters ------------------------------------------------------------------------------------
     def gathered_ds_ids(self, inputs) -> Dict[int, int]:
         """Graph input index -> ds_id for the inputs that are partitioned (not persistent) ZeRO-3 parameters."""
@@ -165,10 +169,12 @@ class Z3Runtime:
         standins.install(self.params.values())
         try:
             yield
-        finally:
-            self._backward_pending = torch.is_grad_enabled()
-            if not self._backward_pending:
-                standins.uninstall(self.params.values())
+        except BaseException:
+            standins.uninstall(self.params.values())
+            raise
+        self._backward_pending = torch.is_grad_enabled()
+        if not self._backward_pending:  # no backward will come to end this step
+            standins.uninstall(self.params.values())
 
     def backward_prologue(self, is_boundary: bool) -> None:
         return None  # accumulation is the optimizer's (micro_step_id); nothing to prepare per backward

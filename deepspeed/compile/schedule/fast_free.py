@@ -20,8 +20,8 @@ from typing import Dict, List, Optional, Sequence
 
 from torch.fx import Graph, GraphModule, Node
 
-from .memory_plan import (alias_members, is_collective, is_gather, is_reduce, is_release, mutated_inputs,
-                          peak_gathered_bytes, storage_roots)
+from .memory_plan import (alias_members, is_collective, is_gather, is_reduce, is_release, mutated_inputs, node_bytes,
+                          storage_roots)
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +43,83 @@ def is_side_effect(node: Node) -> bool:
     return node.is_impure(impure_random=True)
 
 
+class GraphFacts:
+    """What the scheduler needs to know about a graph, computed once, independent of any order."""
+
+    def __init__(self, nodes: Sequence[Node]):
+        self.nodes = list(nodes)
+        self.pos = {node: i for i, node in enumerate(self.nodes)}
+        self.roots = storage_roots(self.nodes)
+        self.members = alias_members(self.nodes, self.roots)
+        self.side_effects = [n for n in self.nodes if is_side_effect(n)]
+        self.gathers = [n for n in self.nodes if is_gather(n)]
+        self.reduces = [n for n in self.nodes if is_reduce(n)]
+        self.gather_users = {g: [u for m in self.members[g] for u in m.users] for g in self.gathers}
+        self.gather_bytes = {g: node_bytes(g) for g in self.gathers}
+        self.lazy = self._find_lazy()
+
+    def _find_lazy(self) -> Dict[Node, None]:
+        """Nodes run only when something needs them: gathers, and pure nodes computed from gathers and other
+        lazy nodes alone (views of gathered parameters, constants). Moving them to their first consumer
+        never lengthens the life of anything but a gathered parameter, which is live until its release."""
+        side_effects = set(self.side_effects)
+        lazy: Dict[Node, None] = {}
+        for node in self.nodes:
+            if is_gather(node) or (node.op == "call_function" and not is_eager(node) and node not in side_effects
+                                   and all(source in lazy for source in node.all_input_nodes)):
+                lazy[node] = None
+        return lazy
+
+    def peak_gathered(self, order: Sequence[Node]) -> int:
+        """Peak of live gathered bytes in ``order``: the same number ``memory_plan`` reports, computed fast."""
+        pos = {node: i for i, node in enumerate(order)}
+        delta = [0] * (len(order) + 1)
+        for gather, users in self.gather_users.items():
+            birth = pos[gather]
+            delta[birth] += self.gather_bytes[gather]
+            delta[max((pos[u] for u in users), default=birth) + 1] -= self.gather_bytes[gather]
+        peak = running = 0
+        for change in delta:
+            running += change
+            peak = max(peak, running)
+        return peak
+
+    def dependencies(self, gather_order: Optional[Sequence[Node]], collective_order: str) -> Dict[Node, List[Node]]:
+        """For each node, the nodes that must run before it, ordered by traced position.
+
+        ``gather_order`` chains the gathers (None: leave gathers unordered among themselves, for the dry
+        run that finds first uses). With ``collective_order="traced"`` gathers and reduces form one chain.
+        """
+        pos, nodes = self.pos, self.nodes
+        deps: Dict[Node, List[Node]] = {node: list(node.all_input_nodes) for node in nodes}
+        for writer in nodes:
+            for target in mutated_inputs(writer):
+                # Readers of the storage (through any alias) keep their side of the write.
+                for member in self.members[self.roots[target]]:
+                    for reader in member.users:
+                        if reader is writer:
+                            continue
+                        if pos[reader] < pos[writer]:
+                            deps[writer].append(reader)
+                        else:
+                            deps[reader].append(writer)
+        _chain(deps, self.side_effects)
+        if collective_order == "traced":
+            _chain(deps, [n for n in nodes if is_collective(n)])
+        else:
+            _chain(deps, self.reduces)
+            if gather_order is not None:
+                _chain(deps, list(gather_order))
+        if nodes[-1].op == "output":
+            deps[nodes[-1]] = nodes[:-1]
+        for node, before in deps.items():
+            deps[node] = sorted(set(before), key=pos.__getitem__)
+        return deps
+
+
 def find_lazy_nodes(nodes: Sequence[Node]) -> List[Node]:
-    """Nodes run only when something needs them: gathers, and pure nodes computed from gathers and other lazy
-    nodes alone (views of gathered parameters, constants). Moving them to their first consumer never
-    lengthens the life of anything but a gathered parameter, which is live until its release anyway."""
-    lazy: Dict[Node, None] = {}
-    for node in nodes:
-        if is_gather(node):
-            lazy[node] = None
-        elif (node.op == "call_function" and not is_eager(node) and not is_side_effect(node)
-              and all(source in lazy for source in node.all_input_nodes)):
-            lazy[node] = None
-    return list(lazy)
+    """The nodes the scheduler runs only on demand (see ``GraphFacts``), in graph order."""
+    return list(GraphFacts(nodes).lazy)
 
 
 def _chain(deps: Dict[Node, List[Node]], sequence: Sequence[Node]) -> None:
@@ -62,50 +127,15 @@ def _chain(deps: Dict[Node, List[Node]], sequence: Sequence[Node]) -> None:
         deps[after].append(before)
 
 
-def find_dependencies(nodes: Sequence[Node], gather_order: Optional[Sequence[Node]],
-                      collective_order: str) -> Dict[Node, List[Node]]:
-    """For each node, the nodes that must run before it, ordered by traced position.
-
-    ``gather_order`` chains the gathers (None: leave gathers unordered among themselves, for the dry run
-    that finds first uses). With ``collective_order="traced"`` gathers and reduces form one chain.
-    """
-    pos = {node: i for i, node in enumerate(nodes)}
-    deps: Dict[Node, List[Node]] = {node: list(node.all_input_nodes) for node in nodes}
-    roots = storage_roots(nodes)
-    members = alias_members(nodes, roots)
-    for writer in nodes:
-        for target in mutated_inputs(writer):
-            # Readers of the storage (through any alias) keep their side of the write.
-            for member in members[roots[target]]:
-                for reader in member.users:
-                    if reader is writer:
-                        continue
-                    if pos[reader] < pos[writer]:
-                        deps[writer].append(reader)
-                    else:
-                        deps[reader].append(writer)
-    _chain(deps, [n for n in nodes if is_side_effect(n)])
-    reduces = [n for n in nodes if is_reduce(n)]
-    if collective_order == "traced":
-        _chain(deps, [n for n in nodes if is_collective(n)])
-    else:
-        _chain(deps, reduces)
-        if gather_order is not None:
-            _chain(deps, list(gather_order))
-    deps[nodes[-1]] = [n for n in nodes[:-1]] if nodes[-1].op == "output" else deps[nodes[-1]]
-    for node, before in deps.items():
-        deps[node] = sorted(set(before), key=pos.__getitem__)
-    return deps
-
-
 class _ListScheduler:
     """Demand-driven list scheduling: anchors (the nodes that are neither lazy nor eager) run in traced
     order; each pulls its unscheduled dependencies first, depth first in traced order; eager nodes run as
     soon as they are ready; gathers run when first needed, plus up to ``prefetch`` more in gather order."""
 
-    def __init__(self, nodes: Sequence[Node], deps: Dict[Node, List[Node]], gather_order: Sequence[Node],
+    def __init__(self, facts: GraphFacts, deps: Dict[Node, List[Node]], gather_order: Sequence[Node],
                  prefetch: int):
-        self.nodes = nodes
+        self.facts = facts
+        self.nodes = facts.nodes
         self.deps = deps
         self.prefetch = prefetch
         self.gather_order = list(gather_order)
@@ -113,8 +143,8 @@ class _ListScheduler:
         self.needed_upto = -1  # highest gather-order position that something has needed so far
         self.order: List[Node] = []
         self.done: Dict[Node, None] = {}
-        self.waiting = {n: len(deps[n]) for n in nodes if is_eager(n)}
-        self.dependents: Dict[Node, List[Node]] = {n: [] for n in nodes}
+        self.waiting = {n: len(deps[n]) for n in self.nodes if is_eager(n)}
+        self.dependents: Dict[Node, List[Node]] = {n: [] for n in self.nodes}
         for node in self.waiting:
             for before in deps[node]:
                 self.dependents[before].append(node)
@@ -165,7 +195,7 @@ class _ListScheduler:
                         self.need_gather(node)
 
     def run(self) -> List[Node]:
-        lazy = set(find_lazy_nodes(self.nodes))
+        lazy = self.facts.lazy
         for node in self.nodes:
             if node.op in _TOP_OPS and node not in self.done:
                 self.pull(node)
@@ -190,17 +220,17 @@ def compute_fast_free_order(graph: Graph, *, prefetch: int = 1, collective_order
     nodes = list(graph.nodes)
     if not any(is_gather(n) or is_reduce(n) for n in nodes):
         return nodes
+    facts = GraphFacts(nodes)
     if collective_order == "first_use":
-        dry_deps = find_dependencies(nodes, None, collective_order)
-        dry_run = _ListScheduler(nodes, dry_deps, [n for n in nodes if is_gather(n)], 0).run()
+        dry_run = _ListScheduler(facts, facts.dependencies(None, collective_order), facts.gathers, 0).run()
         gather_order = [n for n in dry_run if is_gather(n)]
     else:
-        gather_order = [n for n in nodes if is_gather(n)]
-    deps = find_dependencies(nodes, gather_order, collective_order)
-    traced_peak = peak_gathered_bytes(nodes)
+        gather_order = facts.gathers
+    deps = facts.dependencies(gather_order, collective_order)
+    traced_peak = facts.peak_gathered(nodes)
     for depth in range(prefetch, -1, -1):
-        order = _ListScheduler(nodes, deps, gather_order, depth).run()
-        peak = peak_gathered_bytes(order)
+        order = _ListScheduler(facts, deps, gather_order, depth).run()
+        peak = facts.peak_gathered(order)
         if peak <= traced_peak:
             logger.debug("fast_free_schedule: gathered peak %d -> %d bytes (prefetch %d)", traced_peak, peak, depth)
             return order

@@ -296,10 +296,11 @@ def gathered_lower_bound(graph: GraphLike) -> LowerBound:
             own |= 1 << pos[reader]
         for i in _bits((below & above) | own):
             need[i] += node_bytes(gather)
-    best = max(range(len(order)), key=lambda i: need[i], default=None)
+    own = [0] * len(order)
+    for i, node in enumerate(order):
+        touched = {roots[n] for n in node.all_input_nodes} | {roots[node]}
+        own[i] = sum(sizes[r].nbytes for r in touched if r in sizes and sizes[r].kind in (ACTIVATION, GRADIENT))
+    best = max(range(len(order)), key=lambda i: (need[i], own[i]), default=None)
     if best is None or need[best] == 0:
         return LowerBound(0, 0, None)
-    node = order[best]
-    touched = {roots[n] for n in node.all_input_nodes} | {roots[node]}
-    activation = sum(sizes[r].nbytes for r in touched if r in sizes and sizes[r].kind in (ACTIVATION, GRADIENT))
-    return LowerBound(need[best], activation, node.name)
+    return LowerBound(need[best], own[best], order[best].name)

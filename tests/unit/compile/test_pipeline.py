@@ -124,3 +124,37 @@ def test_checkpoint_round_trip_matches_eager_zero3(tmp_path):
         assert e_restored == 0.0 and c_restored == 0.0
         assert c_save == c_load, "training after load differs from training after save"
         assert c_load == pytest.approx(e_load, rel=1e-6)
+
+
+def _failed_compile_falls_back():
+    import torch
+    from deepspeed.compile.graph import rewrite
+    from models import ds_config, make_batch
+    from training import make_engine, train
+
+    eager = make_engine("gpt", ds_config(3))
+    eager_losses = train(eager, "gpt", 3)
+    eager.destroy()
+
+    def broken_pass(gm, **kwargs):
+        raise RuntimeError("injected pass failure")
+
+    rewrite.insert_releases_pass = broken_pass
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True}))
+    engine.compile(backend="eager")
+    hooks_while_compiled = len(engine.optimizer._grad_acc_hooks)
+    try:
+        engine(*make_batch("gpt", 0, torch.distributed.get_rank()))
+        raised = None
+    except Exception as err:
+        raised = str(err)
+    report = (hooks_while_compiled, len(engine.optimizer._grad_acc_hooks), engine.is_deepcompile_active(), raised)
+    return report, eager_losses, train(engine, "gpt", 3)
+
+
+def test_failed_compile_restores_eager_zero3():
+    for (hooks_on, hooks_after, active, raised), eager_losses, losses in run_distributed(_failed_compile_falls_back):
+        assert hooks_on == 0 and hooks_after > 0, "eager ZeRO-3 gradient hooks were not switched off/on"
+        assert raised is not None and "injected pass failure" in raised
+        assert not active
+        assert losses == pytest.approx(eager_losses, rel=1e-6)

@@ -153,7 +153,7 @@ def make_gpt(layers: int, dim: int, heads: int, vocab: int = 61, seq: int = 8) -
 
 @pytest.fixture(scope="module")
 def models() -> Dict[str, Captured]:
-    return {"gpt": make_gpt(layers=3, dim=32, heads=4), "deep": make_gpt(layers=12, dim=16, heads=2)}
+    return {"gpt": make_gpt(layers=2, dim=16, heads=2), "deep": make_gpt(layers=12, dim=16, heads=2)}
 
 
 def clone(gm: GraphModule) -> GraphModule:
@@ -209,8 +209,7 @@ def test_prefetch_stays_within_depth_and_traced_peak(models, which, prefetch):
             assert len(unread) <= prefetch, f"{len(unread)} gathers ahead at {node.name}"
 
 
-@pytest.mark.parametrize("model", ["gpt", "deep"])
-@pytest.mark.parametrize("order", ["traced", "first_use"])
+@pytest.mark.parametrize("model, order", [("gpt", "traced"), ("gpt", "first_use"), ("deep", "first_use")])
 def test_same_values_and_collective_order(models, model, order):
     captured = models[model]
     for which, args in (("fw", captured.fw_args), ("bw", captured.bw_args)):
@@ -264,11 +263,11 @@ def test_deterministic(models):
             # A second pass finds nothing left to improve and keeps the order.
             assert signature(fast_free_schedule(clone(first), collective_order=order)) == signature(first)
     # Two separately traced copies of the same model schedule to the same sequence.
-    one, two = make_gpt(layers=2, dim=16, heads=2), make_gpt(layers=2, dim=16, heads=2)
+    one, two = models["gpt"], make_gpt(layers=2, dim=16, heads=2)
     for which in ("fw", "bw"):
-        a = fast_free_schedule(getattr(one, which), collective_order="first_use")
+        a = fast_free_schedule(clone(getattr(one, which)), collective_order="first_use")
         b = fast_free_schedule(getattr(two, which), collective_order="first_use")
-        assert [(op, target, name) for op, target, name in signature(a)] == signature(b)
+        assert signature(a) == signature(b)
         assert [n.args[2:] for n in a.graph.nodes if n.target is GATHER] == \
             [n.args[2:] for n in b.graph.nodes if n.target is GATHER]
 
@@ -306,7 +305,8 @@ def test_memory_plan_counts_views_once():
     assert by_name[relu.name].activation == 2 * act  # y and relu(y); t(w) is a view of w
     bound = gathered_lower_bound(gm)
     assert bound.gathered_bytes == weight and bound.node is not None
-    assert bound.node == relu.name or bound.activation_bytes >= act
+    # Of the nodes that need the weight, the second matmul holds the most: relu(y) and its result.
+    assert bound.activation_bytes == 2 * act
 
 
 def test_graph_without_ops_is_untouched():
