@@ -46,6 +46,11 @@ class CompileConfig(DeepSpeedConfigModel):
     in backward (the design of this module). ``"default"``: AOTAutograd's default partition, for comparison."""
     fused_cast: bool = True
     """Fold a downcast of a gathered parameter into its all-gather: the shard is cast before it is sent."""
+    schedule: Literal["fast_free", "traced"] = "fast_free"
+    """``"fast_free"``: reorder each graph so gathered parameters are released as early as possible and gathered
+    just in time (``docs/schedule.md``). ``"traced"``: keep the traced order (gathers at the top), for comparison."""
+    prefetch: int = Field(default=1, ge=0)
+    """With ``"fast_free"``: how many gathers may be issued ahead of the one the next op needs."""
     collective_timeout_s: float = Field(default=0.0, ge=0.0)
     """If > 0, a gather or reduce that has not completed after this many seconds raises instead of hanging."""
 

@@ -22,6 +22,7 @@ from ..graph.nodes import META_DS_ID, placeholders
 from ..graph.recompute import tag_param_aliases_pass
 from ..graph.report import saved_for_backward
 from ..graph.runner import run_passes
+from ..schedule.fast_free import fast_free_schedule
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +60,21 @@ class GraphCompiler:
         if self.config.fused_cast:
             passes.append(("fold_downcasts", rewrite.fold_downcasts_pass))
         passes.append(("insert_releases", functools.partial(rewrite.insert_releases_pass, runtime_id=rid)))
+        if self.config.schedule == "fast_free":
+            # first-use collective order: a function of the graph alone, so identical on every rank
+            passes.append(("fast_free_schedule", functools.partial(fast_free_schedule, prefetch=self.config.prefetch,
+                                                                   collective_order="first_use")))
+        passes.append(("pin_gathers", rewrite.pin_gathers_pass))
         return passes
 
     def compile_forward(self, gm: GraphModule, example_inputs):
         gm = run_passes(gm, self._common_passes(), opt_pass_times)
         self.escaped = rewrite.escaped_saved_names(gm)
-        if self.num_fwd_outputs is not None:  # None for an inference graph: nothing is saved
+        inference = self.num_fwd_outputs is None  # no partition ran: nothing is saved for backward
+        if not inference:
             self.runtime.saved += saved_for_backward(gm, self.num_fwd_outputs)
         self.runtime.graphs_compiled += 1
-        return self._finish(gm, example_inputs)
+        return self._finish(gm, example_inputs, is_backward=False, is_inference=inference)
 
     def compile_backward(self, gm: GraphModule, example_inputs):
         rewrite.mark_escaped_inputs(gm, self.escaped)
@@ -75,13 +82,19 @@ class GraphCompiler:
         passes = [("insert_reduces", functools.partial(rewrite.insert_reduces_pass, runtime_id=rid,
                                                        grad_ds_ids=self.param_ds_ids))]
         gm = run_passes(gm, passes + self._common_passes(), opt_pass_times)
-        return self._finish(gm, example_inputs)
+        return self._finish(gm, example_inputs, is_backward=True, is_inference=False)
 
-    def _finish(self, gm: GraphModule, example_inputs):
+    def _finish(self, gm: GraphModule, example_inputs, *, is_backward: bool, is_inference: bool):
         if self.backend == "eager":
             return make_boxed_func(gm.forward)
         from torch._inductor.compile_fx import compile_fx_inner
-        return compile_fx_inner(gm, example_inputs)
+        return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
+
+    def decompositions(self):
+        if self.backend == "eager":
+            return None
+        from torch._inductor.decomposition import select_decomp_table
+        return select_decomp_table()
 
 
 def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Callable[[BaseException], None]):
@@ -97,8 +110,11 @@ def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Calla
             gm.recompile()
             compiler = GraphCompiler(runtime, config, backend, runtime.param_ds_ids(example_inputs))
             aot = aot_autograd(fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
-                               partition_fn=compiler.partition, keep_inference_input_mutations=True)
-            return aot(gm, example_inputs)
+                               partition_fn=compiler.partition, decompositions=compiler.decompositions(),
+                               keep_inference_input_mutations=True)
+            # our passes run inside the compilers: a cache hit would skip them (and their reports)
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return aot(gm, example_inputs)
         except BaseException as err:
             on_failure(err)
             raise

@@ -93,6 +93,22 @@ def last_use(nodes: Set[Node], order: Dict[Node, int]) -> Optional[Node]:
     return max(users, key=order.__getitem__) if users else None
 
 
+def reader_outputs(nodes: Set[Node]) -> List[Node]:
+    """A tensor-valued node for each reader of ``nodes`` (readers outside the set, not releases): the values a
+    release must wait for. A multi-output reader is represented by one of its ``getitem`` results."""
+    readers: List[Node] = []
+    for reader in sorted({u for n in nodes for u in n.users if u not in nodes and not is_release(u)},
+                         key=lambda n: n.name):
+        val = reader.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            readers.append(reader)
+        elif isinstance(val, (tuple, list)):
+            items = [u for u in reader.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
+            if items:
+                readers.append(min(items, key=lambda n: n.name))
+    return readers
+
+
 def placeholders(graph: Graph) -> List[Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 

@@ -17,7 +17,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..runtime.ops import GATHER, RELEASE, REDUCE
-from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, last_use, output_args, placeholders)
+from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, is_reduce, is_release,
+                    last_use, output_args, placeholders, reader_outputs)
 
 # Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
 META_ESCAPED_DS_ID = "dsc_escaped_ds_id"
@@ -32,7 +33,7 @@ def insert_gathers_pass(gm: GraphModule, *, runtime_id: int, gathered_ds_ids: Di
             continue
         node.meta[META_DS_ID] = ds_id
         with graph.inserting_after(node):
-            gathered = graph.call_function(GATHER, (node, runtime_id, ds_id, None))
+            gathered = graph.call_function(GATHER, (node, runtime_id, ds_id, None, []))
         node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
         gathered.meta[META_DS_ID] = ds_id
     return gm
@@ -55,7 +56,7 @@ def fold_downcasts_pass(gm: GraphModule) -> GraphModule:
         if len(dtypes) != 1 or None in dtypes:
             continue
         dtype = dtypes.pop()
-        node.args = (*node.args[:3], dtype)
+        node.args = (*node.args[:3], dtype, node.args[4] if len(node.args) > 4 else node.kwargs.get("after", []))
         node.kwargs = {}
         _set_val(node)
         for cast in list(node.users):
@@ -79,9 +80,25 @@ def insert_releases_pass(gm: GraphModule, *, runtime_id: int) -> GraphModule:
                 if isinstance(value, Node) and value in aliases:
                     value.meta[META_ESCAPED_DS_ID] = ds_id
             continue
-        after = last_use(aliases, order) or max(aliases, key=order.__getitem__)
-        with graph.inserting_after(after):
-            graph.call_function(RELEASE, (root, runtime_id, ds_id))
+        readers = reader_outputs(aliases)
+        candidates = [*readers, *aliases] + ([last_use(aliases, order)] if last_use(aliases, order) else [])
+        with graph.inserting_after(max(candidates, key=order.__getitem__)):
+            graph.call_function(RELEASE, (root, runtime_id, ds_id, readers))
+    return gm
+
+
+def pin_gathers_pass(gm: GraphModule) -> GraphModule:
+    """Make the scheduled position of each gather a data dependency: it waits for the closest earlier compute
+    node's result, so a backend that reorders (inductor) cannot hoist every gather to the top again."""
+    previous: Optional[Node] = None
+    for node in gm.graph.nodes:
+        if is_gather(node):
+            if previous is not None:
+                node.args = (*node.args[:4], [previous])
+                node.kwargs = {}
+        elif (node.op == "call_function" and not is_release(node) and not is_reduce(node)
+              and isinstance(node.meta.get("val"), torch.Tensor)):
+            previous = node
     return gm
 
 

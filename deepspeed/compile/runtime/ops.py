@@ -5,7 +5,7 @@ done by that runtime. Ops with no result declare the mutation they really perfor
 gathered buffer's storage, ``reduce_grad`` consumes the gradient) so that no compiler drops or reorders them
 across their data.
 """
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -16,34 +16,44 @@ NAMESPACE = "dsc"
 
 
 @torch.library.custom_op("dsc::gather_param", mutates_args=())
-def gather_param(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """All-gather parameter ``ds_id`` to its full shape, cast to ``dtype`` first (before sending) if given.
-    ``standin`` is the parameter as the graph sees it: it orders the op after the graph input."""
+def gather_param(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype],
+                 after: List[Tensor]) -> Tensor:
+    """All-gather parameter ``ds_id`` to its full shape, cast to ``dtype`` first (before sending) unless None.
+    ``standin`` is the parameter as the graph sees it: it orders the op after the graph input. ``dtype`` has no
+    default on purpose: compilers drop default arguments from nodes, and the rewrite sets it in place.
+    ``after`` pins the gather after the ops that produce these tensors (the schedule's order survives any
+    backend's own reordering as a data dependency)."""
     return registry.lookup(runtime_id).gather(ds_id, dtype)
 
 
 @gather_param.register_fake
-def _(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+def _(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype], after: List[Tensor]) -> Tensor:
     return standin.new_empty(standin.shape, dtype=dtype or standin.dtype)
+
+
+def _gather_setup_context(ctx, inputs, output) -> None:
+    ctx.num_after = len(inputs[4])
 
 
 def _gather_backward(ctx, grad: Tensor):
     # The gathered tensor is the parameter itself: its gradient flows to the parameter input unchanged,
     # where the backward rewrite replaces it by an in-graph reduce-scatter.
-    return grad, None, None, None
+    return grad, None, None, None, [None] * ctx.num_after
 
 
-gather_param.register_autograd(_gather_backward)
+gather_param.register_autograd(_gather_backward, setup_context=_gather_setup_context)
 
 
 @torch.library.custom_op("dsc::release_param", mutates_args=("gathered",))
-def release_param(gathered: Tensor, runtime_id: int, ds_id: int) -> None:
-    """Drop one reference to the gathered parameter; the last one frees its storage."""
+def release_param(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> None:
+    """Drop one reference to the gathered parameter; the last one frees its storage. ``after`` are the outputs
+    of every op that reads the gathered tensor or its views: a data dependency, so no backend's scheduler can
+    run the release before a reader (inductor does not order a mutation after fused readers by itself)."""
     registry.lookup(runtime_id).release(ds_id, gathered)
 
 
 @release_param.register_fake
-def _(gathered: Tensor, runtime_id: int, ds_id: int) -> None:
+def _(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> None:
     return None
 
 

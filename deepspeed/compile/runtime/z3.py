@@ -44,19 +44,24 @@ class _Gathered:
 
 @dataclass
 class _Bucket:
-    items: List[Tuple[Parameter, Tensor]] = field(default_factory=list)
-    numel: int = 0
+    buffer: Tensor  # (world_size, columns)
+    items: List[Tuple[Parameter, int]] = field(default_factory=list)
+    used: int = 0
 
 
 class Z3Runtime:
 
-    def __init__(self, engine, *, fused_cast: bool = True, timeout_s: float = 0.0):
+    def __init__(self, engine, *, fused_cast: bool = True, timeout_s: float = 0.0, free_on_release: bool = True):
         self.engine = engine
         self.optimizer = engine.optimizer
         self.group = self.optimizer.dp_process_group
         self.world_size = dist.get_world_size(group=self.group)
         self.params: Dict[int, Parameter] = {p.ds_id: p for p in engine.module.parameters() if hasattr(p, "ds_id")}
         self.fused_cast = fused_cast
+        # Eager graphs keep every intermediate referenced until they return, so a release must free the
+        # storage itself. Inductor frees a buffer right after its last use and may hand its memory to a later
+        # buffer ("reuse"): there the release only drops the runtime's reference, never the storage.
+        self.free_on_release = free_on_release
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else None
         self.bucket_numel = int(engine.zero_reduce_bucket_size())
         self.comm_dtype: Optional[torch.dtype] = getattr(self.optimizer, "communication_data_type", None)
@@ -121,45 +126,48 @@ class Z3Runtime:
             raise AssertionError(f"release of parameter {ds_id} ({tensor.dtype}) that is not gathered")
         entry.refs -= 1
         if entry.refs == 0:
-            # free the storage now: the graph may still hold Python references to the tensor
-            entry.tensor.untyped_storage().resize_(0)
+            if self.free_on_release:
+                entry.tensor.untyped_storage().resize_(0)
             del self._gathered[key]
             self.counters.live_gathered_bytes -= entry.nbytes
 
     # ----- gradient reduction ----------------------------------------------------------------------------
     def reduce(self, ds_id: int, grad: Tensor) -> None:
+        """Copy the gradient into the bucket now (a compiled graph may reuse its buffer right after this op);
+        reduce-scatter the bucket when the next gradient would not fit."""
         param = self.params[ds_id]
         dtype = self.comm_dtype or grad.dtype
-        bucket = self._buckets.setdefault(dtype, _Bucket())
-        bucket.items.append((param, grad))
-        bucket.numel += param.partition_numel() * self.world_size
-        self.counters.reduces += 1
-        if bucket.numel >= self.bucket_numel:
+        width = param.partition_numel()
+        bucket = self._buckets.get(dtype)
+        if bucket is not None and bucket.used + width > bucket.buffer.shape[1]:
             self._flush(dtype)
+            bucket = None
+        if bucket is None:
+            columns = max(self.bucket_numel // self.world_size, width)
+            bucket = _Bucket(torch.zeros(self.world_size, columns, dtype=dtype, device=grad.device))
+            self._buckets[dtype] = bucket
+        # row r of the bucket holds rank r's slice of every gradient (padding stays zero)
+        flat = grad.reshape(-1)
+        rows = bucket.buffer[:, bucket.used:bucket.used + width]
+        full = flat.numel() // width
+        rows[:full].copy_(flat[:full * width].view(full, width))
+        if full < self.world_size and flat.numel() > full * width:
+            rows[full, :flat.numel() - full * width].copy_(flat[full * width:])
+        bucket.items.append((param, width))
+        bucket.used += width
+        self.counters.reduces += 1
 
     def _flush(self, dtype: torch.dtype) -> None:
         bucket = self._buckets.pop(dtype, None)
         if bucket is None or not bucket.items:
             return
-        world = self.world_size
-        widths = [p.partition_numel() for p, _ in bucket.items]
-        device = bucket.items[0][1].device
-        # row r holds rank r's slice of every gradient, padded: reduce-scatter hands row r to rank r
-        send = torch.zeros(world, sum(widths), dtype=dtype, device=device)
-        offset = 0
-        for (param, grad), width in zip(bucket.items, widths):
-            flat = grad.reshape(-1)
-            for r in range(world):
-                part = flat[r * width:min((r + 1) * width, flat.numel())]
-                if part.numel():
-                    send[r, offset:offset + part.numel()].copy_(part)
-            offset += width
-        send.div_(world)
-        recv = torch.empty(sum(widths), dtype=dtype, device=device)
+        send = bucket.buffer[:, :bucket.used].contiguous()
+        send.div_(self.world_size)  # gloo has no AVG: pre-divide, then SUM (as eager ZeRO-3 does)
+        recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
         self._wait(dist.reduce_scatter_tensor(recv, send.view(-1), group=self.group, async_op=True))
         self.counters.reduce_scatter_bytes += send.numel() * send.element_size()
         params = [p for p, _ in bucket.items]
-        partitions = list(recv.split(widths))
+        partitions = list(recv.split([w for _, w in bucket.items]))
         # DeepSpeed's own bookkeeping: copies (first micro-step) or accumulates into the optimizer's partitions
         self.optimizer.partition_grads(params, partitions)
 

@@ -56,6 +56,7 @@ class GraphFacts:
         self.reduces = [n for n in self.nodes if is_reduce(n)]
         self.gather_users = {g: [u for m in self.members[g] for u in m.users] for g in self.gathers}
         self.gather_bytes = {g: node_bytes(g) for g in self.gathers}
+        self.writes = [(writer, target) for writer in self.nodes for target in mutated_inputs(writer)]
         self.lazy = self._find_lazy()
 
     def _find_lazy(self) -> Dict[Node, None]:
@@ -92,17 +93,16 @@ class GraphFacts:
         """
         pos, nodes = self.pos, self.nodes
         deps: Dict[Node, List[Node]] = {node: list(node.all_input_nodes) for node in nodes}
-        for writer in nodes:
-            for target in mutated_inputs(writer):
-                # Readers of the storage (through any alias) keep their side of the write.
-                for member in self.members[self.roots[target]]:
-                    for reader in member.users:
-                        if reader is writer:
-                            continue
-                        if pos[reader] < pos[writer]:
-                            deps[writer].append(reader)
-                        else:
-                            deps[reader].append(writer)
+        for writer, target in self.writes:
+            # Readers of the storage (through any alias) keep their side of the write.
+            for member in self.members[self.roots[target]]:
+                for reader in member.users:
+                    if reader is writer:
+                        continue
+                    if pos[reader] < pos[writer]:
+                        deps[writer].append(reader)
+                    else:
+                        deps[reader].append(writer)
         _chain(deps, self.side_effects)
         if collective_order == "traced":
             _chain(deps, [n for n in nodes if is_collective(n)])
@@ -256,7 +256,9 @@ def apply_order(gm: GraphModule, order: Sequence[Node]) -> GraphModule:
 
 def fast_free_schedule(gm: GraphModule, *, prefetch: int = 1, collective_order: str = "traced") -> GraphModule:
     """Reorder ``gm`` so each gathered parameter is released as early as possible and gathered just in time,
-    at most ``prefetch`` gathers ahead of need (0: just in time). Returns ``gm``, reordered in place."""
+    at most ``prefetch`` gathers ahead of need (0: just in time). ``collective_order`` is ``"traced"`` (gathers
+    and reduces keep their traced relative order) or ``"first_use"`` (gathers in first-use order; see
+    ``docs/schedule.md`` for why backward needs it). Returns ``gm``, reordered in place."""
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fast_free_schedule: prefetch must be an integer >= 0, got {prefetch!r}")
     if collective_order not in COLLECTIVE_ORDERS:

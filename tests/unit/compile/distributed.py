@@ -80,7 +80,7 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout_s: fl
         raise RankFailure("\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in errors))
     if hung:
         raise RankTimeout(f"{fn.__name__}: rank(s) {hung} did not finish within {timeout_s:.0f} s")
-    missing = [rank for rank, o in enumerate(outcomes) if o is None]
+    missing = [f"rank {rank} (exit code {procs[rank].exitcode})" for rank, o in enumerate(outcomes) if o is None]
     if missing:
-        raise RankFailure(f"{fn.__name__}: rank(s) {missing} exited without a result (crashed)")
+        raise RankFailure(f"{fn.__name__}: {', '.join(missing)} exited without a result (crashed)")
     return [o[1] for o in outcomes]

@@ -1,0 +1,182 @@
+"""The native fused cast + all-gather (``dsc_native::cast_all_gather``) against its pure-Python twin.
+
+The op is JIT-built once per test session by the ``native_library`` fixture (into ``TORCH_EXTENSIONS_DIR``,
+see ``checkout.py``); the spawned ranks then load the cached library. Multi-rank checks run on 2 gloo ranks
+(``run_distributed``); rank functions import deepspeed-dependent modules inside, after ``checkout``.
+"""
+import logging
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# parameter sizes: divisible by 2 ranks, not divisible (37: padded to 2 x 19), and a larger one
+PARAM_NUMELS = (36, 37, 4099)
+
+
+@pytest.fixture(scope="session")
+def native_library() -> str:
+    """Build (or find in the cache) the native library once per session; skip only if it cannot be built."""
+    from deepspeed.compile.native.builder import NativeOpBuilder
+    from deepspeed.compile.native.gather import native_op_error
+    reasons = NativeOpBuilder().incompatibility_reasons()
+    if reasons:
+        pytest.skip("native op cannot be built here: " + "; ".join(reasons))
+    error = native_op_error()
+    assert error is None, f"native op is buildable here but failed to build or load: {error}"
+    return NativeOpBuilder().load()
+
+
+def _zero3_shard(param: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's shard of ``param`` as ZeRO-3 keeps it: flat, padded to a multiple of ``world_size``."""
+    shard_numel = -(-param.numel() // world_size)
+    padded = torch.zeros(shard_numel * world_size, dtype=param.dtype)
+    padded[:param.numel()] = param.reshape(-1)
+    return padded.narrow(0, rank * shard_numel, shard_numel).clone()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+# ----- rank functions (module level: each rank imports them by name) ---------------------------------------
+def _rank_native_matches_python(dtype_names: List[str], numels: Tuple[int, ...]) -> Dict[str, int]:
+    import torch.distributed as dist
+    from deepspeed.compile.native import cast_all_gather_python, load_native
+
+    native = load_native("native")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    subgroup = dist.new_group(list(range(world_size)))  # a non-default group resolves by its own name
+    checked = {}
+    for numel in numels:
+        torch.manual_seed(numel)  # same full parameter on every rank
+        param = torch.randn(numel, dtype=torch.float32) * 3.0
+        shard = _zero3_shard(param, rank, world_size)
+        for name in dtype_names:
+            dtype = DTYPES[name]
+            for group in (None, subgroup):
+                out_native = native(shard, dtype, group, world_size)
+                out_python = cast_all_gather_python(shard, dtype, group, world_size)
+                assert out_native.dtype == out_python.dtype == dtype
+                assert out_native.shape == out_python.shape == (shard.numel() * world_size, )
+                assert torch.equal(_bits(out_native), _bits(out_python)), (numel, name)
+                # and both are the cast of the full parameter (padding trimmed), shard by shard
+                assert torch.equal(_bits(out_native[:numel]), _bits(param.to(dtype))), (numel, name)
+                assert not torch.any(out_native[numel:]), "padding must gather as zeros"
+            checked[f"{numel}/{name}"] = out_native.numel()
+    # dtype None keeps the shard's dtype; a timeout (in ms on the C++ side) is accepted
+    import datetime
+    out = native(shard, None, None, world_size, datetime.timedelta(seconds=30))
+    assert out.dtype == shard.dtype and torch.equal(out, cast_all_gather_python(shard, None, None, world_size))
+    return checked
+
+
+def _rank_opcheck(dtype_names: List[Optional[str]]) -> Dict[str, Dict[str, str]]:
+    import torch.distributed as dist
+    from deepspeed.compile.native import load_native
+
+    load_native("native")
+    op = torch.ops.dsc_native.cast_all_gather.default
+    group_name, world_size = dist.group.WORLD.group_name, dist.get_world_size()
+    results = {}
+    for name in dtype_names:
+        dtype = None if name is None else DTYPES[name]
+        for requires_grad in (False, True):
+            shard = torch.randn(19, requires_grad=requires_grad)
+            results[f"{name}/grad={requires_grad}"] = torch.library.opcheck(op, (shard, dtype, group_name, world_size))
+    # the output of a collective is data: it never requires grad
+    assert not op(torch.randn(3, requires_grad=True), None, group_name, world_size).requires_grad
+    return results
+
+
+def _rank_wrong_world_size() -> str:
+    import torch.distributed as dist
+    from deepspeed.compile.native import load_native
+
+    native = load_native("native")
+    with pytest.raises(RuntimeError, match="has 2 ranks, but world_size=3"):
+        native(torch.randn(4), None, None, 3)
+    dist.barrier()
+    return "ok"
+
+
+def _rank_fallback_when_unbuildable() -> List[str]:
+    import os
+    os.environ["CXX"] = "/nonexistent/c++"  # is_compatible() reports "no C++ compiler"; nothing is built
+    from deepspeed.compile.native import cast_all_gather_python, load_native
+
+    records: List[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("deepspeed.compile.native.gather")
+    logger.addHandler(handler)
+    try:
+        assert load_native("auto") is None
+        assert load_native("auto") is None  # a second call must not warn again
+    finally:
+        logger.removeHandler(handler)
+    with pytest.raises(RuntimeError, match="compile.native_op='native'"):
+        load_native("native")
+    shard = torch.arange(4, dtype=torch.float32)
+    out = cast_all_gather_python(shard, torch.bfloat16, None, 1)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, shard.to(torch.bfloat16))
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+# ----- tests -------------------------------------------------------------------------------------------------
+def test_builder_finds_sources_in_checkout() -> None:
+    from deepspeed.compile.native.builder import NativeOpBuilder, find_source_dir
+
+    builder = NativeOpBuilder()
+    source_dir = find_source_dir()
+    assert source_dir is not None and source_dir.name == "compile" and source_dir.parent.name == "csrc"
+    names = [p.rsplit("/", 1)[-1] for p in builder.sources()]
+    assert names[:2] == ["dsc_native.cpp", "cast_all_gather_cpu.cpp"]
+    assert builder.include_paths() == [str(source_dir)]
+    assert builder.absolute_name() == "deepspeed.compile.native.deepspeed_compile_native_op"
+    if not builder.with_cuda():  # CUDA sources and flags only where CUDA exists
+        assert "cast_all_gather_cuda.cpp" not in names and "-DDSC_WITH_CUDA" not in builder.cxx_args()
+
+
+def test_load_native_modes_without_process_group(native_library: str) -> None:
+    from deepspeed.compile.native import cast_all_gather, load_native
+
+    assert load_native("python") is None
+    assert load_native("native") is cast_all_gather
+    assert load_native("auto") is cast_all_gather
+    with pytest.raises(ValueError, match="compile.native_op"):
+        load_native("fast")
+
+
+def test_fake_implementation(native_library: str) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        shard = torch.empty(19, dtype=torch.float32)
+        out = torch.ops.dsc_native.cast_all_gather(shard, torch.bfloat16, "unused", 2)
+    assert out.shape == (38, ) and out.dtype == torch.bfloat16
+
+
+def test_opcheck_two_ranks(native_library: str) -> None:
+    for per_rank in run_distributed(_rank_opcheck, [None, "bf16", "fp16"]):
+        for key, result in per_rank.items():
+            assert all(v == "SUCCESS" for v in result.values()), (key, result)
+
+
+def test_native_matches_python_bitwise(native_library: str) -> None:
+    results = run_distributed(_rank_native_matches_python, list(DTYPES), PARAM_NUMELS)
+    assert results[0] == results[1]
+    assert results[0]["37/bf16"] == 38  # 37 padded to 2 shards of 19
+
+
+def test_wrong_world_size_is_an_error(native_library: str) -> None:
+    assert run_distributed(_rank_wrong_world_size) == ["ok", "ok"]
+
+
+def test_auto_falls_back_with_one_warning() -> None:
+    warnings = run_distributed(_rank_fallback_when_unbuildable, world_size=1)[0]
+    assert len(warnings) == 1, warnings
+    assert "no C++ compiler" in warnings[0] and "compile.native_op" in warnings[0]
