@@ -13,6 +13,7 @@ from setuptools.command.build_py import build_py
 PTH_NAME = "deepspeed_compile-precedence.pth"
 PTH_LINE = "import _deepspeed_compile_hook; _deepspeed_compile_hook.install()\n"
 SRC = os.path.join("deepspeed", "compile")
+CSRC = os.path.join("csrc", "compile")
 
 
 def _subpackages(root: str, prefix: str) -> list:
@@ -31,9 +32,12 @@ class BuildPyWithPth(build_py):
         super().run()
         with open(os.path.join(self.build_lib, PTH_NAME), "w") as f:
             f.write(PTH_LINE)
+        # the native op's sources travel with the package: it is JIT-built at first use
+        self.copy_tree(CSRC, os.path.join(self.build_lib, "deepspeed_compile", "csrc", "compile"))
 
     def get_outputs(self, include_bytecode=True):
-        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH_NAME)]
+        csrc = [os.path.join(self.build_lib, "deepspeed_compile", "csrc", "compile", name) for name in os.listdir(CSRC)]
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH_NAME)] + csrc
 
 
 with open(os.path.join("requirements", "requirements.txt")) as f:
@@ -47,7 +51,6 @@ setup(
     package_dir={"deepspeed_compile": SRC, "": SRC},
     packages=_subpackages(SRC, "deepspeed_compile"),
     py_modules=["_deepspeed_compile_hook"],
-    package_data={"deepspeed_compile": ["csrc/*", "csrc/**/*"]},
     install_requires=install_requires,
     cmdclass={"build_py": BuildPyWithPth},
 )

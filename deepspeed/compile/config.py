@@ -51,6 +51,10 @@ class CompileConfig(DeepSpeedConfigModel):
     just in time (``docs/schedule.md``). ``"traced"``: keep the traced order (gathers at the top), for comparison."""
     prefetch: int = Field(default=1, ge=0)
     """With ``"fast_free"``: how many gathers may be issued ahead of the one the next op needs."""
+    native_op: Literal["auto", "native", "python"] = "auto"
+    """The fused cast + all-gather: ``"native"`` (the C++ op, JIT-built at first use; an error if it cannot be
+    built), ``"python"`` (torch.distributed calls), ``"auto"`` (native if it builds, else Python with one
+    warning saying why)."""
     collective_timeout_s: float = Field(default=0.0, ge=0.0)
     """If > 0, a gather or reduce that has not completed after this many seconds raises instead of hanging."""
 

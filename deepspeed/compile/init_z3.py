@@ -30,7 +30,7 @@ def init_z3(engine, backend, compile_config: CompileConfig, compile_kwargs, sche
     from .runtime.z3 import Z3Runtime
 
     runtime = Z3Runtime(engine, fused_cast=compile_config.fused_cast, timeout_s=compile_config.collective_timeout_s,
-                        free_on_release=backend == "eager")
+                        free_on_release=backend == "eager", native_op=compile_config.native_op)
     setattr(engine, RUNTIME_ATTR, runtime)
     eager_hooks.switch_off(engine)
 

@@ -24,6 +24,8 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
     c, s = runtime.counters, runtime.saved
     return {
         "graphs_compiled": runtime.graphs_compiled,
+        "gather_path": runtime.gather_path,
+        "gather_seconds": c.gather_seconds,
         "saved_param_bytes": s.param_bytes,
         "saved_other_bytes": s.other_bytes,
         "saved_param_tensors": s.param_tensors,

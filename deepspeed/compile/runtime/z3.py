@@ -8,6 +8,7 @@ optimizer's data-parallel group; gloo has no AVG, so gradients are pre-divided a
 """
 import datetime
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -19,6 +20,7 @@ from torch.nn import Parameter
 
 from ..capture import standins
 from ..graph.report import SavedBytes
+from ..native.gather import cast_all_gather_python, load_native
 from . import registry
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ class Counters:
     live_gathered_bytes: int = 0
     peak_gathered_bytes: int = 0
     allgather_bytes_by_dtype: Dict[str, int] = field(default_factory=dict)
+    gather_seconds: float = 0.0
 
 
 @dataclass
@@ -51,7 +54,8 @@ class _Bucket:
 
 class Z3Runtime:
 
-    def __init__(self, engine, *, fused_cast: bool = True, timeout_s: float = 0.0, free_on_release: bool = True):
+    def __init__(self, engine, *, fused_cast: bool = True, timeout_s: float = 0.0, free_on_release: bool = True,
+                 native_op: str = "auto"):
         self.engine = engine
         self.optimizer = engine.optimizer
         self.group = self.optimizer.dp_process_group
@@ -64,12 +68,16 @@ class Z3Runtime:
         self.free_on_release = free_on_release
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else None
         self.bucket_numel = int(engine.zero_reduce_bucket_size())
+        native = load_native(native_op)
+        self.gather_path = "native" if native is not None else "python"
+        self._cast_all_gather = native or cast_all_gather_python
         self.comm_dtype: Optional[torch.dtype] = getattr(self.optimizer, "communication_data_type", None)
         self.counters = Counters()
         self.saved = SavedBytes()
         self.graphs_compiled = 0
         self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
         self._buckets: Dict[torch.dtype, _Bucket] = {}
+        self._bucket_buffers: Dict[torch.dtype, Tensor] = {}
         self._backward_pending = False
         self.id = registry.register(self)
 
@@ -105,9 +113,10 @@ class Z3Runtime:
         if entry is not None:
             entry.refs += 1
             return entry.tensor
-        send = shard if shard.dtype == dtype else shard.to(dtype)  # cast the shard, then gather: less traffic
-        flat = torch.empty(send.numel() * self.world_size, dtype=dtype, device=send.device)
-        self._wait(dist.all_gather_into_tensor(flat, send, group=self.group, async_op=True))
+        start = time.perf_counter()
+        # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
+        flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.timeout)
+        self.counters.gather_seconds += time.perf_counter() - start
         full = flat.narrow(0, 0, param.ds_numel).view(param.ds_shape)
         nbytes = flat.numel() * flat.element_size()
         self._gathered[key] = _Gathered(full, 1, nbytes)
@@ -143,8 +152,7 @@ class Z3Runtime:
             self._flush(dtype)
             bucket = None
         if bucket is None:
-            columns = max(self.bucket_numel // self.world_size, width)
-            bucket = _Bucket(torch.zeros(self.world_size, columns, dtype=dtype, device=grad.device))
+            bucket = _Bucket(self._bucket_buffer(dtype, width, grad.device))
             self._buckets[dtype] = bucket
         # row r of the bucket holds rank r's slice of every gradient (padding stays zero)
         flat = grad.reshape(-1)
@@ -156,6 +164,17 @@ class Z3Runtime:
         bucket.items.append((param, width))
         bucket.used += width
         self.counters.reduces += 1
+
+    def _bucket_buffer(self, dtype: torch.dtype, width: int, device: torch.device) -> Tensor:
+        """A zeroed (world_size, columns) buffer, allocated once per dtype and reused (as eager ZeRO-3 keeps its
+        gradient bucket); a gradient wider than the bucket gets a buffer of its own."""
+        columns = self.bucket_numel // self.world_size
+        if width > columns:
+            return torch.zeros(self.world_size, width, dtype=dtype, device=device)
+        buffer = self._bucket_buffers.get(dtype)
+        if buffer is None or buffer.device != device:
+            buffer = self._bucket_buffers[dtype] = torch.empty(self.world_size, columns, dtype=dtype, device=device)
+        return buffer.zero_()
 
     def _flush(self, dtype: torch.dtype) -> None:
         bucket = self._buckets.pop(dtype, None)

@@ -20,6 +20,10 @@ def use_checkout() -> None:
     # DeepSpeed JIT-builds its CPU comm op on first use; keep the build inside the checkout, not in a cache
     # shared with other environments (torch's cache is keyed by op name only).
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO_ROOT, "build", "torch_extensions"))
+    # inductor: compile in-process (two ranks on two cores gain nothing from worker pools), and keep its cache
+    # inside the checkout so repeated local runs reuse generated kernels
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(REPO_ROOT, "build", "inductor_cache"))
     if "_deepspeed_compile_hook" not in sys.modules:
         spec = importlib.util.spec_from_file_location("_deepspeed_compile_hook",
                                                       os.path.join(PACKAGE_DIR, "_deepspeed_compile_hook.py"))

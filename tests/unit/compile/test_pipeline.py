@@ -158,3 +158,27 @@ def test_failed_compile_restores_eager_zero3():
         assert raised is not None and "injected pass failure" in raised
         assert not active
         assert losses == pytest.approx(eager_losses, rel=1e-6)
+
+
+def _native_vs_python():
+    from deepspeed.compile.report import engine_report
+    from models import ds_config
+    from training import make_engine, train
+    out = {}
+    for mode in ("native", "python"):
+        engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": mode}, "autocast"))
+        losses = train(engine, "gpt", 4, compile_kwargs={"backend": "eager"})
+        report = engine_report(engine)
+        out[mode] = (losses, report["gather_path"], report["gather_seconds"], report["gathers"],
+                     report["allgather_bytes_by_dtype"])
+        engine.destroy()
+    return out
+
+
+def test_native_gather_trains_like_python_gather():
+    for out in run_distributed(_native_vs_python):
+        assert out["native"][1] == "native" and out["python"][1] == "python"
+        assert out["native"][0] == out["python"][0], "native and Python gathers gave different losses"
+        assert out["native"][3] == out["python"][3] and out["native"][4] == out["python"][4]
+        print(f"time in gather ops over 4 steps, native / python: {out['native'][2]:.4f} s / {out['python'][2]:.4f} s "
+              f"= {out['native'][2] / out['python'][2]:.2f}")
