@@ -7,7 +7,7 @@ Per dynamo graph (one per graph break) a :class:`GraphCompiler` runs, in order:
 """
 import functools
 import logging
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 from ..backend import opt_pass_times
 from ..config import CompileConfig
 from ..graph import rewrite
-from ..graph.nodes import META_DS_ID, placeholders
+from ..graph.nodes import META_DS_ID, is_gather, is_reduce, placeholders
 from ..graph.recompute import tag_param_aliases_pass
 from ..graph.report import saved_for_backward
 from ..graph.runner import run_passes
@@ -85,6 +85,7 @@ class GraphCompiler:
         return self._finish(gm, example_inputs, is_backward=True, is_inference=False)
 
     def _finish(self, gm: GraphModule, example_inputs, *, is_backward: bool, is_inference: bool):
+        self.runtime.collective_orders.append(collective_order(gm))
         if self.backend == "eager":
             return make_boxed_func(gm.forward)
         from torch._inductor.compile_fx import compile_fx_inner
@@ -95,6 +96,11 @@ class GraphCompiler:
             return None
         from torch._inductor.decomposition import select_decomp_table
         return select_decomp_table()
+
+
+def collective_order(gm: GraphModule) -> List[Tuple[str, int]]:
+    """The gathers and reduces of a graph, in order, by parameter: every rank must issue the same sequence."""
+    return [("gather" if is_gather(n) else "reduce", n.args[2]) for n in gm.graph.nodes if is_gather(n) or is_reduce(n)]
 
 
 def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Callable[[BaseException], None]):

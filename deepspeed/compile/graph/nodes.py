@@ -13,6 +13,9 @@ from torch.fx import Graph, Node
 
 from ..runtime.ops import GATHER, RELEASE, REDUCE
 
+# Ops whose result shares storage with their first argument without declaring it in the schema.
+UNDECLARED_ALIAS_OPS = (torch.ops.aten._unsafe_view.default, )
+
 # node.meta keys the passes communicate through.
 META_DS_ID = "dsc_ds_id"  # on parameter primals / gathers: the ZeRO-3 ds_id
 
@@ -41,6 +44,8 @@ def is_alias(node: Node) -> bool:
     if node.target is operator.getitem:
         src = node.args[0]
         return isinstance(src, Node) and is_alias(src)
+    if node.target in UNDECLARED_ALIAS_OPS:
+        return True
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns:
         return False

@@ -75,6 +75,8 @@ class Z3Runtime:
         self.counters = Counters()
         self.saved = SavedBytes()
         self.graphs_compiled = 0
+        # per compiled graph, in compile order: the (op, ds_id) sequence of its collectives (same on every rank)
+        self.collective_orders: List[List[Tuple[str, int]]] = []
         self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
         self._buckets: Dict[torch.dtype, _Bucket] = {}
         self._bucket_buffers: Dict[torch.dtype, Tensor] = {}

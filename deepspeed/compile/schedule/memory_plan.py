@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..runtime.ops import GATHER, REDUCE, RELEASE
+from ..graph.nodes import UNDECLARED_ALIAS_OPS, is_gather, is_reduce, is_release
 
 logger = logging.getLogger(__name__)
 
@@ -28,22 +28,8 @@ ACTIVATION = "activation"
 GRADIENT = "gradient"
 INPUT = "input"
 
-# Ops whose result shares storage with their first argument without declaring it in the schema.
-_UNDECLARED_ALIAS_OPS = (torch.ops.aten._unsafe_view.default, )
 
 GraphLike = Union[GraphModule, Graph, Sequence[Node]]
-
-
-def is_gather(node: Node) -> bool:
-    return node.op == "call_function" and node.target is GATHER
-
-
-def is_release(node: Node) -> bool:
-    return node.op == "call_function" and node.target is RELEASE
-
-
-def is_reduce(node: Node) -> bool:
-    return node.op == "call_function" and node.target is REDUCE
 
 
 def is_collective(node: Node) -> bool:
@@ -73,7 +59,7 @@ def alias_source(node: Node) -> Optional[Node]:
         # An element of an aliasing multi-output op (split, unbind, chunk) aliases that op's input.
         source = node.args[0]
         return alias_source(source) if isinstance(source, Node) else None
-    if node.target in _UNDECLARED_ALIAS_OPS:
+    if node.target in UNDECLARED_ALIAS_OPS:
         first = node.args[0] if node.args else None
         return first if isinstance(first, Node) else None
     schema = getattr(node.target, "_schema", None)

@@ -182,3 +182,18 @@ def test_native_gather_trains_like_python_gather():
         assert out["native"][3] == out["python"][3] and out["native"][4] == out["python"][4]
         print(f"time in gather ops over 4 steps, native / python: {out['native'][2]:.4f} s / {out['python'][2]:.4f} s "
               f"= {out['native'][2] / out['python'][2]:.2f}")
+
+
+def _collective_orders():
+    from models import ds_config
+    from training import make_engine, train
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "prefetch": 2}))
+    train(engine, "gpt", 2, compile_kwargs={"backend": "eager"})
+    return engine._deepspeed_compile_runtime.collective_orders
+
+
+def test_scheduled_collective_order_is_the_same_on_every_rank():
+    orders = run_distributed(_collective_orders)
+    assert len(orders[0]) == 2  # one forward and one backward graph
+    assert all(order for order in orders[0])
+    assert orders[0] == orders[1]
