@@ -34,7 +34,11 @@ def plot_timeline(result: Dict[str, Any], path: str) -> str:
     boundaries = [start for name, start, _ in tl["marks"] if name == "backward"]
     if boundaries:
         ax.axvline(boundaries[-1] * 1e3, color="tab:red", ls="--", lw=1.0, label="forward | backward")
-    if result.get("peak_gathered_bytes"):
+    gathered = result.get("gathered_timeline")
+    if gathered:
+        ax.fill_between([0.0] + [t * 1e3 for t in gathered["times_s"]], [0.0] + [b / MiB for b in gathered["live_bytes"]],
+                        step="post", color="tab:purple", alpha=0.35, lw=0, label="gathered parameters (runtime)")
+    elif result.get("peak_gathered_bytes"):
         ax.axhline(result["peak_gathered_bytes"] / MiB, color="tab:purple", ls=":", lw=1.2,
                    label="peak gathered params (runtime)")
     ax.set_xlabel("time in step (ms)")

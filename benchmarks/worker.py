@@ -170,9 +170,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             timed(i)
     ours = report.engine_report(engine) if report is not None else None
     persistent = live_tensor_bytes()
+    gathered_track = report is not None and hasattr(report, "record_gathered_timeline")
     with trace_memory() as traced:
         saved = timed(len(times), walk=True)
+        if gathered_track:
+            report.record_gathered_timeline(engine, True)
+        gathered_t0 = time.perf_counter()
         timed(len(times))
+    gathered = report.gathered_timeline(engine) if gathered_track else None
     timeline = step_peak(traced["timeline"], "step")
     peak_above = timeline.peak_bytes if timeline is not None else None
 
@@ -202,6 +207,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         t, v = _downsample(timeline.times_s, timeline.live_bytes)
         result["timeline"] = {"times_s": t, "live_bytes": v, "marks": timeline.marks,
                               "inferred_frees": timeline.inferred_frees}
+    if gathered:
+        # the runtime's own clock, from just before the measured step (the profiler window starts there too)
+        result["gathered_timeline"] = {"times_s": [t - gathered_t0 for t, _ in gathered],
+                                       "live_bytes": [b for _, b in gathered]}
     return result
 
 

@@ -17,28 +17,26 @@ Partitioner = Literal["min_cut", "default"]
 class CompileConfig(DeepSpeedConfigModel):
     """Settings for ``engine.compile()``; ``deepcompile`` selects this module's ZeRO-3 pipeline."""
 
-    # --- stock fields the engine reads or users already set -------------------------------------------------
-    deepcompile: bool = False
-    """Run ZeRO-3 through the compiled graph (gather/release/reduce ops placed by the compiler)."""
-    autoep_non_moe: bool = False
-    """Stock AutoEP region compile; handled by the engine itself, independent of DeepCompile."""
-    passes: Optional[List[PassName]] = None
-    """Stock pass composition. Only ``None`` or ``["z3"]`` run this module's pipeline; others fall back."""
-    offload_parameters: bool = False
-    offload_opt_states: bool = False
-    offload_activation: bool = False
-    offload_activation_pin_memory: bool = True
-    free_activation: bool = False
-    free_activation_threshold: int = 10 * 1024 * 1024
-    double_buffer: bool = True
-    symmetric_memory: bool = False
-    debug_log: bool = False
-    sync_before_reduce: bool = False
-    sync_after_reduce: bool = False
-    sync_before_allgather: bool = False
-    sync_after_allgather: bool = False
-    keep_int_input_tensors: bool = True
-    keep_all_input_tensors: bool = False
+    # --- stock fields (DeepSpeed's engine reads several; their names and defaults are the engine's contract) ----
+    deepcompile: bool = Field(False, description="run ZeRO-3 through this module's compiled pipeline")
+    autoep_non_moe: bool = Field(False, description="stock AutoEP region compile, handled by the engine itself")
+    passes: Optional[List[PassName]] = Field(None, description="stock pass composition; None or ['z3'] run "
+                                             "this pipeline, 'autosp'/'autotp' fall back to torch.compile")
+    offload_parameters: bool = Field(False, description="stock offload: not implemented, falls back")
+    offload_opt_states: bool = Field(False, description="stock offload: not implemented, falls back")
+    offload_activation: bool = Field(False, description="stock offload: not implemented, falls back")
+    offload_activation_pin_memory: bool = Field(True, description="stock offload setting: no effect here")
+    free_activation: bool = Field(False, description="stock knob: no effect here")
+    free_activation_threshold: int = Field(10 * 1024 * 1024, description="stock knob: no effect here")
+    double_buffer: bool = Field(True, description="stock knob: no effect here")
+    symmetric_memory: bool = Field(False, description="stock knob: no effect here")
+    debug_log: bool = Field(False, description="stock knob: no effect here")
+    sync_before_reduce: bool = Field(False, description="stock knob: no effect here")
+    sync_after_reduce: bool = Field(False, description="stock knob: no effect here")
+    sync_before_allgather: bool = Field(False, description="stock knob: no effect here")
+    sync_after_allgather: bool = Field(False, description="stock knob: no effect here")
+    keep_int_input_tensors: bool = Field(True, description="stock knob: no effect here")
+    keep_all_input_tensors: bool = Field(False, description="stock knob: no effect here")
 
     # --- deepspeed-compile fields ---------------------------------------------------------------------------
     partitioner: Partitioner = "min_cut"

@@ -7,7 +7,7 @@ Saved-for-backward bytes are summed over the engine's compiled forward graphs (c
 graphs' tensor metadata); communication and gathered-memory figures are cumulative since compile or the last
 :func:`reset_counters`.
 """
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .z3_eager_fallback import RUNTIME_ATTR
 
@@ -38,6 +38,19 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         "live_gathered_bytes": c.live_gathered_bytes,
         "peak_gathered_bytes": c.peak_gathered_bytes,
     }
+
+
+def record_gathered_timeline(engine, on: bool = True) -> None:
+    """Start (clearing what was recorded) or stop recording live gathered bytes at every gather and release."""
+    runtime = _runtime(engine)
+    if runtime is not None:
+        runtime.gathered_timeline = [] if on else None
+
+
+def gathered_timeline(engine) -> Optional[List[Tuple[float, int]]]:
+    """``(time.perf_counter(), live gathered bytes)`` at every change since recording started."""
+    runtime = _runtime(engine)
+    return None if runtime is None or runtime.gathered_timeline is None else list(runtime.gathered_timeline)
 
 
 def reset_counters(engine) -> None:

@@ -77,6 +77,8 @@ class Z3Runtime:
         self.graphs_compiled = 0
         # per compiled graph, in compile order: the (op, ds_id) sequence of its collectives (same on every rank)
         self.collective_orders: List[List[Tuple[str, int]]] = []
+        # (time.perf_counter(), live gathered bytes) at every change, while recording (report.py)
+        self.gathered_timeline: Optional[List[Tuple[float, int]]] = None
         self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
         self._buckets: Dict[torch.dtype, _Bucket] = {}
         self._bucket_buffers: Dict[torch.dtype, Tensor] = {}
@@ -128,7 +130,12 @@ class Z3Runtime:
         c.allgather_bytes_by_dtype[str(dtype)] = c.allgather_bytes_by_dtype.get(str(dtype), 0) + nbytes
         c.live_gathered_bytes += nbytes
         c.peak_gathered_bytes = max(c.peak_gathered_bytes, c.live_gathered_bytes)
+        self._record_live()
         return full
+
+    def _record_live(self) -> None:
+        if self.gathered_timeline is not None:
+            self.gathered_timeline.append((time.perf_counter(), self.counters.live_gathered_bytes))
 
     def release(self, ds_id: int, tensor: Tensor) -> None:
         key = (ds_id, tensor.dtype)
@@ -141,6 +148,7 @@ class Z3Runtime:
                 entry.tensor.untyped_storage().resize_(0)
             del self._gathered[key]
             self.counters.live_gathered_bytes -= entry.nbytes
+            self._record_live()
 
     # ----- gradient reduction ----------------------------------------------------------------------------
     def reduce(self, ds_id: int, grad: Tensor) -> None:
