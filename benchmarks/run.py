@@ -7,7 +7,9 @@ Each configuration runs in a fresh 2-rank launch (``torch.distributed.run --stan
 data and seeds (``benchmarks/worker.py``). Prints a Markdown table, writes ``results_<model>.json`` and the
 memory plots under ``--out`` (default ``out/bench``). Final losses of one dtype are checked against eager
 ZeRO-3 of that dtype (or the first row if it was not run); a mismatch is reported as FAILED and makes the exit
-status non-zero, as does a configuration that crashed.
+status non-zero, as does a crash of any configuration but the stock baseline ``zero3+compile`` (plain
+torch.compile of a ZeRO-3 model, which stock DeepSpeed 0.19.8 cannot trace for models that call F.linear on a
+tied weight: its crash is shown in the table as ERROR and does not fail the run).
 """
 import argparse
 import json
@@ -180,7 +182,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for path in plot_all(ok, args.out):
             print(f"plot: {path}")
     print(f"total wall time {time.perf_counter() - t0:.0f} s")
-    failed = [r for r in results if "error" in r or r.get("loss_check") == "FAILED"]
+    failed = [r for r in results
+              if ("error" in r and r.get("row") != "zero3+compile") or r.get("loss_check") == "FAILED"]
     return 1 if failed else 0
 
 

@@ -48,7 +48,8 @@ def _set_val(node: Node) -> None:
 
 
 def fold_downcasts_pass(gm: GraphModule) -> GraphModule:
-    """``gather(p)`` whose every user is the same downcast becomes ``gather(p, dtype=...)``."""
+    """``gather(p)`` whose every user is the same downcast becomes ``gather(p, dtype=...)``. Autocast casts the
+    weight itself (then views it), which is this pattern; a cast behind a view is left as it is."""
     for node in list(gm.graph.nodes):
         if not is_gather(node) or gather_dtype(node) is not None or not node.users:
             continue

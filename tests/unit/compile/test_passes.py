@@ -1,0 +1,139 @@
+"""Unit tests of the graph passes on small traced graphs: no process group, no DeepSpeed engine."""
+import operator
+
+import torch
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from deepspeed.compile.graph import rewrite
+from deepspeed.compile.graph.nodes import META_DS_ID, downcast_dtype, is_alias, output_args
+from deepspeed.compile.graph.recompute import RECOMPUTE, tag_param_aliases_pass
+from deepspeed.compile.graph.report import saved_for_backward
+from deepspeed.compile.runtime.ops import GATHER, REDUCE, RELEASE
+
+
+def _trace(fn, *shapes) -> GraphModule:
+    return make_fx(fn, tracing_mode="fake")(*[torch.empty(s) for s in shapes])
+
+
+def _qkv_graph() -> GraphModule:
+    """A fused QKV weight split in forward, transposed, and downcast: every kind of parameter alias."""
+
+    def f(w, x):
+        q, k, v = w.split(4, dim=0)
+        wt = q.t().to(torch.bfloat16)
+        return (x.to(torch.bfloat16) @ wt).float().sum() + (x @ k.t()).sum() + v.sum()
+
+    gm = _trace(f, (12, 4), (3, 4))
+    next(n for n in gm.graph.nodes if n.op == "placeholder").meta[META_DS_ID] = 7
+    return gm
+
+
+def test_alias_and_downcast_helpers():
+    gm = _qkv_graph()
+    split = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.split.Tensor)
+    assert is_alias(split) and all(is_alias(u) for u in split.users if u.target is operator.getitem)
+    casts = [n for n in gm.graph.nodes if downcast_dtype(n) is not None]
+    assert {downcast_dtype(n) for n in casts} == {torch.bfloat16}
+    assert not any(downcast_dtype(n) for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default
+                   and n.args[1] == torch.float32)  # an upcast is not a downcast
+    assert not any(is_alias(n) for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+
+
+def test_tag_marks_exactly_the_parameter_aliases_and_downcasts():
+    gm = tag_param_aliases_pass(_qkv_graph())
+    tagged = {n for n in gm.graph.nodes if n.meta.get(RECOMPUTE) == CheckpointPolicy.MUST_RECOMPUTE}
+    weight = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    x = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
+    # split, its getitems, t of q and k, and the downcast of q's transpose
+    assert any(n.target is torch.ops.aten.split.Tensor for n in tagged)
+    assert sum(n.target is operator.getitem for n in tagged) == 3
+    assert sum(n.target is torch.ops.aten.t.default for n in tagged) == 2
+    assert any(downcast_dtype(n) == torch.bfloat16 for n in tagged)
+    # nothing that computes, and nothing derived from the activation input
+    assert not any(n.target is torch.ops.aten.mm.default for n in tagged)
+    assert not any(x in n.all_input_nodes and downcast_dtype(n) for n in tagged)
+    assert weight not in tagged
+
+
+class _FakeRuntime:
+    def __init__(self, params):
+        self.params = params
+        self.calls = []
+
+    def gather(self, ds_id, dtype):
+        self.calls.append(("gather", ds_id, dtype))
+        p = self.params[ds_id]
+        return p.to(dtype) if dtype is not None else p.clone()
+
+    def release(self, ds_id, tensor):
+        self.calls.append(("release", ds_id, tensor.dtype))
+
+    def reduce(self, ds_id, grad):
+        self.calls.append(("reduce", ds_id, grad.clone()))
+
+
+def _gathered_graph(runtime_id):
+    def f(standin, x):
+        w = GATHER(standin, runtime_id, 3, None, [])
+        return (x.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()  # autocast's pattern: cast, then view
+
+    return make_fx(f)(torch.empty(5, 4), torch.randn(2, 4))
+
+
+def test_fold_downcast_and_release_after_last_reader():
+    from deepspeed.compile.runtime import registry
+    runtime = _FakeRuntime({3: torch.randn(5, 4)})
+    rid = registry.register(runtime)
+    gm = _gathered_graph(rid)
+    x = torch.randn(2, 4)
+    reference = gm(torch.empty(5, 4), x)
+    gm = rewrite.fold_downcasts_pass(gm)
+    gm = rewrite.insert_releases_pass(gm, runtime_id=rid)
+    gm.graph.lint()
+    gm.recompile()
+    gathers = [n for n in gm.graph.nodes if n.target is GATHER]
+    releases = [n for n in gm.graph.nodes if n.target is RELEASE]
+    assert len(gathers) == 1 and gathers[0].args[3] == torch.bfloat16  # the cast moved into the gather
+    assert len(releases) == 1 and releases[0].args[3], "release must wait on the readers' outputs"
+    order = list(gm.graph.nodes)
+    readers = [n for n in order if gathers[0] in n.all_input_nodes and n is not releases[0]]
+    assert all(order.index(r) < order.index(releases[0]) for r in readers)
+    runtime.calls.clear()
+    assert torch.equal(gm(torch.empty(5, 4), x), reference)  # gather(cast) == cast(gather), bitwise
+    assert [c[0] for c in runtime.calls] == ["gather", "release"] and runtime.calls[0][2] == torch.bfloat16
+
+
+def test_insert_reduces_returns_none_and_reduces_each_parameter_gradient():
+    from deepspeed.compile.runtime import registry
+
+    def bw(grad_out, x):
+        return grad_out.t() @ x, grad_out.sum(0), grad_out @ torch.ones(4, 4)
+
+    gm = make_fx(bw)(torch.randn(2, 4), torch.randn(2, 4))
+    runtime = _FakeRuntime({})
+    rid = registry.register(runtime)
+    gm = rewrite.insert_reduces_pass(gm, runtime_id=rid, grad_ds_ids=[11, 12, None])
+    gm.recompile()
+    outs = output_args(gm.graph)
+    assert outs[0] is None and outs[1] is None and outs[2] is not None
+    g, x = torch.randn(2, 4), torch.randn(2, 4)
+    result = gm(g, x)
+    assert result[0] is None and result[1] is None
+    reduced = {c[1]: c[2] for c in runtime.calls if c[0] == "reduce"}
+    assert torch.equal(reduced[11], g.t() @ x) and torch.equal(reduced[12], g.sum(0))
+    assert sum(n.target is REDUCE for n in gm.graph.nodes) == 2
+
+
+def test_saved_for_backward_splits_parameter_derived_bytes():
+    def fw(standin, x):
+        w = GATHER(standin, 1, 0, None, [])
+        wt = w.t()
+        h = x @ wt
+        return h.sum(), wt, h  # one user output, then two saved values: a parameter alias and an activation
+
+    gm = make_fx(fw, tracing_mode="fake")(torch.empty(8, 4), torch.empty(3, 4))
+    report = saved_for_backward(gm, num_fwd_outputs=1)
+    assert report.param_bytes == 8 * 4 * 4 and report.param_tensors == 1
+    assert report.other_bytes == 3 * 8 * 4 and report.other_tensors == 1
