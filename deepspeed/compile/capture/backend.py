@@ -11,7 +11,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.fx import GraphModule
 
@@ -87,7 +86,7 @@ class GraphCompiler:
     def _finish(self, gm: GraphModule, example_inputs, *, is_backward: bool, is_inference: bool):
         self.runtime.collective_orders.append(collective_order(gm))
         if self.backend == "eager":
-            return make_boxed_func(gm.forward)
+            return boxed_eager(gm)
         from torch._inductor.compile_fx import compile_fx_inner
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
 
@@ -96,6 +95,20 @@ class GraphCompiler:
             return None
         from torch._inductor.decomposition import select_decomp_table
         return select_decomp_table()
+
+
+def boxed_eager(gm: GraphModule) -> Callable:
+    """Run the graph with the boxed calling convention: the generated code takes the argument list, clears it,
+    and drops each input after its last use. Without this a backward graph keeps every saved activation alive
+    until it returns (``make_boxed_func`` holds the list), where eager autograd frees them as it goes."""
+    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())  # torch's own codegen for this convention
+    gm.recompile()
+
+    def run(args: list):
+        return gm(args)
+
+    run._boxed_call = True
+    return run
 
 
 def collective_order(gm: GraphModule) -> List[Tuple[str, int]]:
