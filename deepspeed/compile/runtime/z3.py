@@ -186,11 +186,21 @@ class Z3Runtime:
             buffer = self._bucket_buffers[dtype] = torch.empty(self.world_size, columns, dtype=dtype, device=device)
         return buffer.zero_()
 
+    def _compact(self, bucket: _Bucket) -> Tensor:
+        """The used columns of the bucket as one contiguous (world_size * used) buffer, moved to the front of the
+        bucket's own storage row by row (a row-sized temporary, not a bucket-sized copy)."""
+        buffer, used = bucket.buffer, bucket.used
+        flat = buffer.view(-1)
+        if used < buffer.shape[1]:
+            for r in range(1, self.world_size):
+                flat[r * used:(r + 1) * used].copy_(buffer[r, :used].clone())  # clone: the ranges may overlap
+        return flat[:self.world_size * used]
+
     def _flush(self, dtype: torch.dtype) -> None:
         bucket = self._buckets.pop(dtype, None)
         if bucket is None or not bucket.items:
             return
-        send = bucket.buffer[:, :bucket.used].contiguous()
+        send = self._compact(bucket)
         send.div_(self.world_size)  # gloo has no AVG: pre-divide, then SUM (as eager ZeRO-3 does)
         recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
         self._wait(dist.reduce_scatter_tensor(recv, send.view(-1), group=self.group, async_op=True))
