@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -59,6 +60,9 @@ def run_config(args: argparse.Namespace, row: str, backend: str, dtype: str) -> 
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO_ROOT, "build", "torch_extensions"))
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(REPO_ROOT, "build", "inductor_cache"))
+    if args.cold_compile:
+        # every configuration compiles from nothing: first-step times compare compilers, not cache hits
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
     if os.path.exists(out_json):
         os.remove(out_json)
     t0 = time.perf_counter()
@@ -146,6 +150,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "out", "bench"))
     p.add_argument("--progress", action="store_true", help="show each step of each configuration")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--cold-compile", action="store_true",
+                   help="a fresh, empty inductor cache for every configuration (fair first-step compile times)")
     args = p.parse_args(argv)
     for name, allowed in (("rows", ROWS), ("dtypes", DTYPES), ("backends", ("eager", "inductor"))):
         values = [v for v in getattr(args, name).split(",") if v]
