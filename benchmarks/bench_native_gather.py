@@ -93,7 +93,7 @@ def main() -> None:
             p.join()
     print(f"fused cast + all-gather, fp32 shards, {args.world_size} ranks (gloo), median of {args.rounds} "
           f"rounds x {args.iters} gathers")
-    print(f"| param numel | dtype | native (us/gather) | python (us/gather) | native / python |")
+    print("| param numel | dtype | native (us/gather) | python (us/gather) | native / python |")
     print("|---:|---|---:|---:|---:|")
     for numel, name, t_native, t_python in rows:
         print(f"| {numel} | {name} | {t_native * 1e6:.1f} | {t_python * 1e6:.1f} | {t_native / t_python:.2f} |")

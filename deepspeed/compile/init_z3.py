@@ -29,8 +29,8 @@ def init_z3(engine, backend, compile_config: CompileConfig, compile_kwargs, sche
     from .capture.backend import make_backend
     from .runtime.z3 import Z3Runtime
 
-    runtime = Z3Runtime(engine, fused_cast=compile_config.fused_cast, timeout_s=compile_config.collective_timeout_s,
-                        free_on_release=backend == "eager", native_op=compile_config.native_op)
+    runtime = Z3Runtime(engine, timeout_s=compile_config.collective_timeout_s, free_on_release=backend == "eager",
+                        native_op=compile_config.native_op)
     setattr(engine, RUNTIME_ATTR, runtime)
     eager_hooks.switch_off(engine)
 

@@ -124,10 +124,11 @@ def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Calla
             # the engine went back to eager ZeRO-3 (a failed compile): plain torch.compile from here on
             return gm.forward
         try:
-            gathered = runtime.gathered_ds_ids(example_inputs)
+            param_ds_ids = runtime.param_ds_ids(example_inputs)
+            gathered = {i: ds_id for i, ds_id in enumerate(param_ds_ids) if ds_id is not None}
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()
-            compiler = GraphCompiler(runtime, config, backend, runtime.param_ds_ids(example_inputs))
+            compiler = GraphCompiler(runtime, config, backend, param_ds_ids)
             aot = aot_autograd(fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
                                partition_fn=compiler.partition, decompositions=compiler.decompositions(),
                                keep_inference_input_mutations=True)

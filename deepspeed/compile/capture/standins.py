@@ -12,14 +12,15 @@ from typing import Iterable
 import torch
 from torch.nn import Parameter
 
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
 _STANDIN = "_dsc_standin"  # the cached stand-in on the parameter
 _PARTITIONED = "_dsc_partitioned_data"  # ZeRO's own .data, put back by uninstall
 
 
 def _needs_standin(param: Parameter) -> bool:
-    return param.ds_status == ZeroParamStatus.NOT_AVAILABLE and not getattr(param, "ds_persist", False)
+    # Every ZeRO-3 parameter, persistent ones and ones left gathered included: the graph gathers each from its
+    # shard (eager ZeRO-3's hooks, which would gather persistent parameters once, are off), and one kind of input
+    # (stride 0, full shape) keeps dynamo's guards stable whatever ZeRO did to .data between steps.
+    return hasattr(param, "ds_shape") and hasattr(param, "ds_tensor")
 
 
 def _is_standin(param: Parameter) -> bool:

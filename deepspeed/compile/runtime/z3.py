@@ -54,16 +54,14 @@ class _Bucket:
 
 class Z3Runtime:
 
-    def __init__(self, engine, *, fused_cast: bool = True, timeout_s: float = 0.0, free_on_release: bool = True,
-                 native_op: str = "auto"):
+    def __init__(self, engine, *, timeout_s: float = 0.0, free_on_release: bool = True, native_op: str = "auto"):
         self.engine = engine
         self.optimizer = engine.optimizer
         self.group = self.optimizer.dp_process_group
         self.world_size = dist.get_world_size(group=self.group)
         self.params: Dict[int, Parameter] = {p.ds_id: p for p in engine.module.parameters() if hasattr(p, "ds_id")}
-        self.fused_cast = fused_cast
-        # Eager graphs keep every intermediate referenced until they return, so a release must free the
-        # storage itself. Inductor frees a buffer right after its last use and may hand its memory to a later
+        # Eager backend: nothing reuses a freed buffer, so a release frees the storage at once, whoever still holds
+        # a Python reference. Inductor frees a buffer right after its last use and may hand its memory to a later
         # buffer ("reuse"): there the release only drops the runtime's reference, never the storage.
         self.free_on_release = free_on_release
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else None
@@ -90,12 +88,6 @@ class Z3Runtime:
         self.counters = Counters(live_gathered_bytes=live, peak_gathered_bytes=live)
 
     # ----- parameters ------------------------------------------------------------------------------------
-    def gathered_ds_ids(self, inputs) -> Dict[int, int]:
-        """Graph input index -> ds_id for the inputs that are partitioned (not persistent) ZeRO-3 parameters."""
-        return {i: t.ds_id for i, t in enumerate(inputs)
-                if isinstance(t, Parameter) and self.params.get(getattr(t, "ds_id", None)) is t
-                and not getattr(t, "ds_persist", False)}
-
     def param_ds_ids(self, inputs) -> List[Optional[int]]:
         """ds_id of every graph input that is one of this engine's ZeRO-3 parameters (None elsewhere)."""
         return [t.ds_id if isinstance(t, Parameter) and self.params.get(getattr(t, "ds_id", None)) is t else None

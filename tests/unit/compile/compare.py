@@ -18,15 +18,15 @@ def full_params(engine) -> Dict[str, torch.Tensor]:
 
 
 def run_pair(model: str, steps: int, dtype: str = "fp32", compile_section: Optional[Dict[str, Any]] = None,
-             backend: str = "eager", grad_accum: int = 1) -> Dict[str, Any]:
+             backend: str = "eager", grad_accum: int = 1, persistence_threshold: int = 0) -> Dict[str, Any]:
     """Train eager ZeRO-3 and the compiled engine on the same data; return both losses and final params,
     the runtime's counters and saved-for-backward report, and the live gathered bytes after every step."""
-    eager = make_engine(model, ds_config(3, None, dtype, grad_accum))
+    eager = make_engine(model, ds_config(3, None, dtype, grad_accum, persistence_threshold=persistence_threshold))
     eager_losses = train(eager, model, steps)
     eager_params = full_params(eager)
     eager.destroy()
     section = {"deepcompile": True, **(compile_section or {})}
-    compiled = make_engine(model, ds_config(3, section, dtype, grad_accum))
+    compiled = make_engine(model, ds_config(3, section, dtype, grad_accum, persistence_threshold=persistence_threshold))
     live_after_step: List[int] = []
     losses = train(compiled, model, steps, compile_kwargs={"backend": backend},
                    after_step=lambda e: live_after_step.append(e._deepspeed_compile_runtime.counters.live_gathered_bytes))

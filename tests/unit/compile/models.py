@@ -76,14 +76,14 @@ def make_batch(name: str, step: int, rank: int, batch: int = 4):
 
 
 def ds_config(stage: int = 3, compile_section: Optional[Dict[str, Any]] = None, dtype: str = "fp32",
-              grad_accum: int = 1, batch: int = 4) -> Dict[str, Any]:
+              grad_accum: int = 1, batch: int = 4, persistence_threshold: int = 0) -> Dict[str, Any]:
     """One ZeRO config for every test; bucket sizes fit the tiny models (DeepSpeed's defaults would
     pre-allocate gigabytes)."""
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": grad_accum,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": persistence_threshold,
                               "reduce_bucket_size": 20000, "allgather_bucket_size": 20000,
                               "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 20000,
                               "stage3_max_reuse_distance": 0},

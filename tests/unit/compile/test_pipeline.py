@@ -197,3 +197,15 @@ def test_scheduled_collective_order_is_the_same_on_every_rank():
     assert len(orders[0]) == 2  # one forward and one backward graph
     assert all(order for order in orders[0])
     assert orders[0] == orders[1]
+
+
+def _persistent_pair():
+    from compare import max_param_diff, max_rel_diff, run_pair
+    r = run_pair("gpt", STEPS, persistence_threshold=1000)  # norms, biases and the position table persist
+    return max_rel_diff(r["eager_losses"], r["losses"]), max_param_diff(r["eager_params"], r["params"]), r
+
+
+def test_persistent_parameters_match_eager_zero3():
+    for loss_diff, param_diff, r in run_distributed(_persistent_pair):
+        _check_common(r)
+        assert loss_diff <= 1e-6 and param_diff <= 1e-6, (loss_diff, param_diff)
