@@ -6,7 +6,7 @@ of an input (views, ``t``, ``expand``, ``split`` and the ``getitem`` after it, .
 reaches a parameter (a parameter primal or a gather of one) only through aliases and downcasts.
 """
 import operator
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Iterable, List, Optional, Set
 
 import torch
 from torch.fx import Graph, Node
@@ -90,12 +90,6 @@ def derived_closure(roots: Iterable[Node], through_casts: bool = True) -> Set[No
 def alias_closure(root: Node) -> Set[Node]:
     """``root`` and every node that shares its storage through a chain of aliases."""
     return derived_closure([root], through_casts=False)
-
-
-def last_use(nodes: Set[Node], order: Dict[Node, int]) -> Optional[Node]:
-    """The latest user (in ``order``) of any node of ``nodes`` that is not itself in ``nodes``, nor a release."""
-    users = [u for n in nodes for u in n.users if u not in nodes and not is_release(u)]
-    return max(users, key=order.__getitem__) if users else None
 
 
 def reader_outputs(nodes: Set[Node]) -> List[Node]:

@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 
 from ..runtime.ops import GATHER, RELEASE, REDUCE
 from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, is_reduce, is_release,
-                    last_use, output_args, placeholders, reader_outputs)
+                    output_args, placeholders, reader_outputs)
 
 # Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
 META_ESCAPED_DS_ID = "dsc_escaped_ds_id"
@@ -82,8 +82,10 @@ def insert_releases_pass(gm: GraphModule, *, runtime_id: int) -> GraphModule:
                     value.meta[META_ESCAPED_DS_ID] = ds_id
             continue
         readers = reader_outputs(aliases)
-        candidates = [*readers, *aliases] + ([last_use(aliases, order)] if last_use(aliases, order) else [])
-        with graph.inserting_after(max(candidates, key=order.__getitem__)):
+        # after every alias, every reader and every value the release waits on
+        after = max([*aliases, *readers, *(u for a in aliases for u in a.users if not is_release(u))],
+                    key=order.__getitem__)
+        with graph.inserting_after(after):
             graph.call_function(RELEASE, (root, runtime_id, ds_id, readers))
     return gm
 
