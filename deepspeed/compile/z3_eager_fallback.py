@@ -2,12 +2,14 @@
 
 DeepSpeed's engine wraps every forward in :func:`deepcompile_z3_forward_context`; this module uses it to
 prepare the engine's runtime for a compiled forward (full-shape parameter stand-ins, see
-``docs/capture.md``). Stock DeepCompile also tracks eager fallback gathers here; this module has no eager
-fallback object, so :func:`get_active_z3_eager_fallback` is always ``None`` and ZeRO-3's parameter access
-behaves as in stock eager mode.
+``docs/capture.md``). During that forward :func:`get_active_z3_eager_fallback` returns the runtime's
+:class:`~deepspeed.compile.runtime.eager_access.EagerAccess`: ZeRO-3's parameter dicts then gather any parameter
+that code outside the compiled graphs reads, and report it there for release after backward.
 """
 import sys
 from contextlib import contextmanager
+
+from .runtime import eager_access
 
 RUNTIME_ATTR = "_deepspeed_compile_runtime"
 
@@ -29,7 +31,7 @@ def deepcompile_z3_forward_context(engine):
 
 
 def get_active_z3_eager_fallback():
-    return None
+    return eager_access.active()
 
 
 def is_dynamo_guard_evaluation() -> bool:

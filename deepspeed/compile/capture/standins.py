@@ -10,6 +10,8 @@ eager ZeRO-3 code never see them. See docs/capture.md.
 from typing import Iterable
 
 import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from torch import Tensor
 from torch.nn import Parameter
 
 _STANDIN = "_dsc_standin"  # the cached stand-in on the parameter
@@ -28,13 +30,24 @@ def _is_standin(param: Parameter) -> bool:
     return data.shape == param.ds_shape and data.numel() > 0 and all(s == 0 for s in data.stride())
 
 
+def _make_standin(param: Parameter) -> Tensor:
+    # NaN, not uninitialised memory: eager code that wrongly computes with a stand-in gets NaNs, never
+    # plausible numbers (and a gradient for it raises, see runtime/eager_access.py)
+    fill = float("nan") if param.dtype.is_floating_point else 0
+    return torch.full((1, ), fill, dtype=param.dtype, device=param.ds_tensor.device).expand(param.ds_shape)
+
+
 def install(params: Iterable[Parameter]) -> None:
     for param in params:
         if not _needs_standin(param) or _is_standin(param):
             continue
+        if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
+            # gathered by eager ZeRO-3 (a persistent parameter, an eager step before compile): the graphs gather
+            # from the shard, so hold no full copy, and keep one kind of input for dynamo's guards
+            param.partition()
         standin = getattr(param, _STANDIN, None)
         if standin is None or standin.dtype != param.dtype or standin.device != param.ds_tensor.device:
-            standin = torch.empty(1, dtype=param.dtype, device=param.ds_tensor.device).expand(param.ds_shape)
+            standin = _make_standin(param)
             setattr(param, _STANDIN, standin)
         setattr(param, _PARTITIONED, param.data)
         param.data = standin

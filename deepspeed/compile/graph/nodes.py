@@ -10,6 +10,7 @@ from typing import Iterable, List, Optional, Set
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..runtime.ops import GATHER, RELEASE, REDUCE
 
@@ -118,12 +119,19 @@ def output_args(graph: Graph) -> List:
     return list(args) if isinstance(args, (list, tuple)) else [args]
 
 
+def size_hint(size) -> int:
+    """An int for a size that may be symbolic (dynamic shapes): its hint, without adding a guard. Byte counts
+    are for reports and the scheduler's memory plan; a guard here would specialize the graph to one shape."""
+    return optimization_hint(size, fallback=8192)
+
+
 def tensor_bytes(node: Node) -> int:
     """Bytes of storage a node's value needs (a stride-0 stand-in needs one element)."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
-    if val.numel() == 0:
+    sizes = [size_hint(s) for s in val.shape]
+    if 0 in sizes:
         return 0
-    span = 1 + sum((size - 1) * stride for size, stride in zip(val.shape, val.stride()) if size > 0)
-    return int(span) * val.element_size()
+    span = 1 + sum((size - 1) * size_hint(stride) for size, stride in zip(sizes, val.stride()))
+    return span * val.element_size()

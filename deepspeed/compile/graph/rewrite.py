@@ -29,12 +29,14 @@ def insert_gathers_pass(gm: GraphModule, *, runtime_id: int, gathered_ds_ids: Di
     graph = gm.graph
     for index, node in enumerate(placeholders(graph)):
         ds_id = gathered_ds_ids.get(index)
-        if ds_id is None or not node.users:
+        # a graph that only hands a parameter back (dynamo compiles e.g. a ``next(self.parameters())`` helper)
+        # returns the Parameter itself, as eager code would: a gathered copy there would escape the graph
+        if ds_id is None or not any(user.op != "output" for user in node.users):
             continue
         node.meta[META_DS_ID] = ds_id
         with graph.inserting_after(node):
             gathered = graph.call_function(GATHER, (node, runtime_id, ds_id, None, []))
-        node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
+        node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered and user.op != "output")
         gathered.meta[META_DS_ID] = ds_id
     return gm
 

@@ -22,6 +22,7 @@ from ..capture import standins
 from ..graph.report import SavedBytes
 from ..native.gather import cast_all_gather_python, load_native
 from . import registry
+from .eager_access import EagerAccess
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class Counters:
     reduce_scatter_bytes: int = 0
     gathers: int = 0
     reduces: int = 0
+    eager_gathers: int = 0  # parameters gathered on access by code outside the compiled graphs
     live_gathered_bytes: int = 0
     peak_gathered_bytes: int = 0
     allgather_bytes_by_dtype: Dict[str, int] = field(default_factory=dict)
@@ -81,6 +83,12 @@ class Z3Runtime:
         self._buckets: Dict[torch.dtype, _Bucket] = {}
         self._bucket_buffers: Dict[torch.dtype, Tensor] = {}
         self._backward_pending = False
+        self._reduced: set = set()  # ds_ids whose gradient reached the optimizer in this backward
+        names = {p.ds_id: name for name, p in engine.module.named_parameters() if hasattr(p, "ds_id")}
+        self.eager = EagerAccess(self.params, names, self.reduce, self._add_live_bytes)
+        self.eager.install_grad_hooks()
+        # the parameter dicts ZeRO-3 gathers from on access while marked in forward (see eager_access.py)
+        self._param_dicts = [m._parameters for m in engine.module.modules() if hasattr(m._parameters, "_in_forward")]
         self.id = registry.register(self)
 
     def reset_counters(self) -> None:
@@ -124,6 +132,15 @@ class Z3Runtime:
         c.peak_gathered_bytes = max(c.peak_gathered_bytes, c.live_gathered_bytes)
         self._record_live()
         return full
+
+    def _add_live_bytes(self, nbytes: int) -> None:
+        c = self.counters
+        if nbytes > 0:
+            c.eager_gathers += 1
+            c.allgather_bytes += nbytes
+        c.live_gathered_bytes += nbytes
+        c.peak_gathered_bytes = max(c.peak_gathered_bytes, c.live_gathered_bytes)
+        self._record_live()
 
     def _record_live(self) -> None:
         if self.gathered_timeline is not None:
@@ -197,22 +214,43 @@ class Z3Runtime:
         recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
         self._wait(dist.reduce_scatter_tensor(recv, send.view(-1), group=self.group, async_op=True))
         self.counters.reduce_scatter_bytes += send.numel() * send.element_size()
-        params = [p for p, _ in bucket.items]
-        partitions = list(recv.split([w for _, w in bucket.items]))
+        partitions = recv.split([w for _, w in bucket.items])
+        first, again = [], []
+        for (param, _), part in zip(bucket.items, partitions):
+            (again if param.ds_id in self._reduced else first).append((param, part))
+            self._reduced.add(param.ds_id)
         # DeepSpeed's own bookkeeping: copies (first micro-step) or accumulates into the optimizer's partitions
-        self.optimizer.partition_grads(params, partitions)
+        if first:
+            self.optimizer.partition_grads([p for p, _ in first], [g for _, g in first])
+        if again:
+            # a second gradient for a parameter in this backward (used by a compiled graph and by eager code, e.g.
+            # a tied weight): it must add to the first, which DeepSpeed does from its second micro-step on
+            micro_step = self.optimizer.micro_step_id
+            self.optimizer.micro_step_id = max(micro_step, 1)
+            try:
+                self.optimizer.partition_grads([p for p, _ in again], [g for _, g in again])
+            finally:
+                self.optimizer.micro_step_id = micro_step
 
     # ----- engine hooks ----------------------------------------------------------------------------------
     @contextmanager
     def forward_context(self):
         standins.install(self.params.values())
+        for params in self._param_dicts:
+            params._in_forward = True  # ZeRO-3 gathers a parameter read outside the graphs (eager_access.py)
         try:
-            yield
+            with self.eager.activated():
+                yield
         except BaseException:
+            self.eager.release()
             standins.uninstall(self.params.values())
             raise
+        finally:
+            for params in self._param_dicts:
+                params._in_forward = False
         self._backward_pending = torch.is_grad_enabled()
         if not self._backward_pending:  # no backward will come to end this step
+            self.eager.release()
             standins.uninstall(self.params.values())
 
     def backward_prologue(self, is_boundary: bool) -> None:
@@ -224,7 +262,9 @@ class Z3Runtime:
         for dtype in sorted(self._buckets, key=str):
             self._flush(dtype)
         # DeepSpeed's epilogue points averaged_gradients at the partitions we filled and ends the micro-step
+        self._reduced.clear()
         self.optimizer.independent_gradient_partition_epilogue()
+        self.eager.release()
         standins.uninstall(self.params.values())
         self._backward_pending = False
         if self.counters.live_gathered_bytes:

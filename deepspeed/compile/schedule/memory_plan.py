@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..graph.nodes import UNDECLARED_ALIAS_OPS, is_gather, is_reduce, is_release
+from ..graph.nodes import UNDECLARED_ALIAS_OPS, is_gather, is_reduce, is_release, size_hint
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +110,8 @@ def alias_members(nodes: Sequence[Node], roots: Dict[Node, Node]) -> Dict[Node, 
 def _bytes_of(val) -> int:
     if isinstance(val, torch.Tensor):
         try:
-            return int(val.numel()) * val.element_size()
-        except (TypeError, RuntimeError):  # unbacked symbolic size: no static answer
+            return size_hint(val.numel()) * val.element_size()
+        except (TypeError, RuntimeError):  # no hint at all: no static answer
             return 0
     return 0
 
@@ -125,12 +125,12 @@ def node_bytes(node: Node) -> int:
         standin = node.args[0].meta.get(VAL_KEY) if isinstance(node.args[0], Node) else None
         dtype = _arg_value(node, 3, "dtype")
         if isinstance(standin, torch.Tensor):
-            return int(standin.numel()) * (dtype.itemsize if dtype is not None else standin.element_size())
+            return size_hint(standin.numel()) * (dtype.itemsize if dtype is not None else standin.element_size())
     meta = node.meta.get(TENSOR_META_KEY)
     if meta is not None and hasattr(meta, "shape"):
         numel = 1
         for size in meta.shape:
-            numel *= int(size)
+            numel *= size_hint(size)
         return numel * meta.dtype.itemsize
     return 0
 

@@ -1,0 +1,147 @@
+"""Real parameters for whatever runs outside the compiled graphs during a DeepCompile step.
+
+While an engine's compiled forward runs, each ZeRO-3 parameter's ``.data`` is a full-shape stand-in with no real
+contents (``capture/standins.py``). Code that dynamo does not compile (a frame it skips after a graph break it
+cannot resume from, a frame past ``recompile_limit``, a ``torch.compiler.disable``d submodule, an autograd
+function it will not trace, Python between two graphs) reads the parameter as a plain tensor, so it must get the
+real one. DeepSpeed's ``ZeROOrderedDict.__getitem__`` (every ``module.weight`` read) asks
+``deepspeed.compile.z3_eager_fallback.get_active_z3_eager_fallback()`` for an object while a module is marked
+``_in_forward``; with :class:`EagerAccess` active it gathers the parameter with ZeRO-3's own ``all_gather`` and
+reports it here. The parameter then stays gathered until the step's backward has ended (autograd reads it
+again there), and is partitioned again by :meth:`EagerAccess.release`.
+
+Gradients of parameters used eagerly reach ``param.grad`` through autograd's ``AccumulateGrad`` (the compiled
+graphs return ``None`` for their parameters instead). A post-accumulate-grad hook hands them to the runtime's
+bucketed reduce-scatter, as ZeRO-3's own gradient hooks would. A gradient that arrives for a parameter that was
+*not* gathered means eager code computed with the stand-in (it held the ``Parameter`` object and bypassed the
+dict); the hook raises an error naming the parameter, before the optimizer step can apply anything.
+
+The active object is a context variable, set for the duration of one engine's forward: several engines in one
+process never see each other's.
+"""
+import contextvars
+import logging
+from contextlib import contextmanager
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.nn import Parameter
+
+log = logging.getLogger(__name__)
+
+_ACTIVE: contextvars.ContextVar[Optional["EagerAccess"]] = contextvars.ContextVar("dsc_eager_access", default=None)
+
+
+class StandinReadError(RuntimeError):
+    """Eager code computed with a parameter's stand-in instead of the gathered parameter."""
+
+
+def active() -> Optional["EagerAccess"]:
+    return _ACTIVE.get()
+
+
+def keep_getter_eager() -> None:
+    """Never compile ZeRO-3's parameter getter as a frame of its own. Called from code dynamo runs eagerly, it
+    would otherwise be compiled, where ``torch.compiler.is_compiling()`` makes it hand back the stand-in without
+    gathering. Only the top-level frame is skipped: dynamo still inlines the getter inside compiled frames.
+    (``torch._dynamo.reset()`` forgets this; the runtime sets it again at every activation.)"""
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+    torch._dynamo.eval_frame.skip_code(ZeROOrderedDict.__getitem__.__code__)
+
+
+class EagerAccess:
+    """One per runtime: the parameters gathered for eager code in the current step, and their gradient hooks."""
+
+    def __init__(self, params: Dict[int, Parameter], names: Dict[int, str],
+                 reduce: Callable[[int, torch.Tensor], None], on_live_bytes: Callable[[int], None]):
+        self.params = params
+        self.names = names  # ds_id -> qualified parameter name, for errors
+        self._reduce = reduce
+        self._on_live_bytes = on_live_bytes
+        self.gathered: Dict[int, Parameter] = {}
+        self.gathers = 0  # parameters gathered for eager code, since the runtime's counters were reset
+        self.gathered_names: List[str] = []  # first few, for the one warning
+        self._hooks = []
+        self._warned = False
+
+    # ----- the contract ZeROOrderedDict.__getitem__ calls ------------------------------------------------
+    def record_gathered_param(self, param: Parameter) -> None:
+        if param.ds_id in self.gathered or self.params.get(param.ds_id) is not param:
+            return
+        self.gathered[param.ds_id] = param
+        self.gathers += 1
+        self._on_live_bytes(param.data.numel() * param.data.element_size())
+        if not self._warned:
+            self._warned = True
+            log.warning("deepspeed-compile: parameter %s is read outside the compiled graphs (a frame dynamo runs "
+                        "eagerly: see dynamo's graph-break / recompile messages); it is gathered on access and "
+                        "released after backward. Training stays correct, but this part of the model is not "
+                        "compiled.", self.name(param))
+
+    def record_param_access(self, param: Parameter) -> None:
+        return None  # an AVAILABLE parameter holds its real data: nothing to do
+
+    def record_guard_suppressed_param(self, param: Parameter) -> None:
+        return None  # guard evaluation reads metadata only; it must not gather
+
+    def record_forward_graph(self) -> None:
+        return None  # no per-graph bookkeeping: everything gathered here lives until backward ends
+
+    def record_backward_start(self, forward_graph_id) -> None:
+        return None
+
+    def record_user_context_claim(self, param: Parameter) -> None:
+        return None  # a GatheredParameters context re-gathers and partitions the parameter itself
+
+    # ----- scope and release -----------------------------------------------------------------------------
+    @contextmanager
+    def activated(self):
+        keep_getter_eager()
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def release(self) -> None:
+        """Partition every parameter gathered for eager code (the step's backward is over, or never comes)."""
+        if not self.gathered:
+            return
+        params = list(self.gathered.values())
+        self.gathered.clear()
+        freed = sum(p.data.numel() * p.data.element_size() for p in params
+                    if p.ds_status.name == "AVAILABLE")
+        for param in params:
+            if param.ds_status.name == "AVAILABLE":
+                param.partition()
+        self._on_live_bytes(-freed)
+
+    def name(self, param: Parameter) -> str:
+        return f"'{self.names.get(param.ds_id, '?')}' (ds_id {param.ds_id}, shape {tuple(param.ds_shape)})"
+
+    # ----- gradients of eagerly used parameters ----------------------------------------------------------
+    def install_grad_hooks(self) -> None:
+        keep_getter_eager()
+        if self._hooks:
+            return
+        for param in self.params.values():
+            if param.requires_grad:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove_grad_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _on_grad(self, param: Parameter) -> None:
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        if param.ds_id not in self.gathered:
+            raise StandinReadError(
+                f"deepspeed-compile: parameter {self.name(param)} was used outside the compiled graphs without "
+                "being gathered (the code held the Parameter object instead of reading it through its module, "
+                "e.g. module.weight); it computed with the parameter's stand-in, not its values. Read the "
+                "parameter through its module, or keep that code inside the compiled model.")
+        self._reduce(param.ds_id, grad)
