@@ -5,6 +5,7 @@ Per dynamo graph (one per graph break) a :class:`GraphCompiler` runs, in order:
   -> partition (min-cut by default) -> forward: fold downcasts, releases, schedule
   -> backward: fold downcasts, reduces, releases, schedule -> the backend's own compiler (eager or inductor).
 """
+import copy
 import functools
 import logging
 from typing import Callable, Dict, List, Optional, Tuple
@@ -116,6 +117,29 @@ def collective_order(gm: GraphModule) -> List[Tuple[str, int]]:
     return [("gather" if is_gather(n) else "reduce", n.args[2]) for n in gm.graph.nodes if is_gather(n) or is_reduce(n)]
 
 
+def bind_to_traced_params(compiled: Callable, uncompiled: GraphModule, traced: Dict[int, torch.nn.Parameter],
+                          runtime) -> Callable:
+    """The compiled graph bakes each parameter's ``ds_id`` into its gather and reduce ops, but dynamo guards a
+    parameter input on its metadata only: it reuses one compiled graph for every module instance of the same code
+    (the blocks of a model whose top-level frame it skipped, or regional compilation). A call with the parameters
+    the graph was traced with runs the compiled graph; a call with other parameters runs the dynamo graph as
+    traced, uncompiled, on those parameters gathered on access (runtime/eager_access.py), so it is still right."""
+    def matches(args) -> bool:
+        return all(args[i] is param for i, param in traced.items())
+
+    @torch._dynamo.disable(recursive=True)
+    def run_uncompiled(args):
+        runtime.eager.note_reused_graph()
+        for i in traced:
+            runtime.eager.gather(args[i])
+        return uncompiled(*args)
+
+    def run(*args):
+        return compiled(*args) if matches(args) else run_uncompiled(args)
+
+    return run
+
+
 def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Callable[[BaseException], None]):
     """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module."""
 
@@ -126,6 +150,7 @@ def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Calla
         try:
             param_ds_ids = runtime.param_ds_ids(example_inputs)
             gathered = {i: ds_id for i, ds_id in enumerate(param_ds_ids) if ds_id is not None}
+            uncompiled = GraphModule(gm, copy.deepcopy(gm.graph))  # the dynamo graph as traced, for other params
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()
             compiler = GraphCompiler(runtime, config, backend, param_ds_ids)
@@ -134,9 +159,11 @@ def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Calla
                                keep_inference_input_mutations=True)
             # our passes run inside the compilers: a cache hit would skip them (and their reports)
             with torch._functorch.config.patch(enable_autograd_cache=False):
-                return aot(gm, example_inputs)
+                compiled = aot(gm, example_inputs)
         except BaseException as err:
             on_failure(err)
             raise
+        traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}
+        return bind_to_traced_params(compiled, uncompiled, traced, runtime)
 
     return compile_graph

@@ -22,9 +22,10 @@ process never see each other's.
 import contextvars
 import logging
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch.nn import Parameter
 
 log = logging.getLogger(__name__)
@@ -41,35 +42,40 @@ def active() -> Optional["EagerAccess"]:
 
 
 def keep_getter_eager() -> None:
-    """Never compile ZeRO-3's parameter getter as a frame of its own. Called from code dynamo runs eagerly, it
-    would otherwise be compiled, where ``torch.compiler.is_compiling()`` makes it hand back the stand-in without
-    gathering. Only the top-level frame is skipped: dynamo still inlines the getter inside compiled frames.
-    (``torch._dynamo.reset()`` forgets this; the runtime sets it again at every activation.)"""
+    """Never compile ZeRO-3's parameter getter, or what it calls, as frames of their own. Called from code dynamo
+    runs eagerly, the getter would otherwise be compiled (where ``torch.compiler.is_compiling()`` makes it hand
+    back the stand-in), and so would ZeRO-3's ``all_gather`` it calls to gather on access (dynamo breaks that
+    code into partial graphs). Skipping is recursive for the getter's callees, and only for frames entered from
+    eager code: dynamo still inlines the getter inside compiled frames. (``torch._dynamo.reset()`` forgets this;
+    the runtime sets it again at every forward.)"""
     from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
-    torch._dynamo.eval_frame.skip_code(ZeROOrderedDict.__getitem__.__code__)
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+    torch._C._dynamo.eval_frame.set_code_exec_strategy(ZeROOrderedDict.__getitem__.__code__,
+                                                       FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 class EagerAccess:
     """One per runtime: the parameters gathered for eager code in the current step, and their gradient hooks."""
 
     def __init__(self, params: Dict[int, Parameter], names: Dict[int, str],
-                 reduce: Callable[[int, torch.Tensor], None], on_live_bytes: Callable[[int], None]):
+                 reduce: Callable[[int, torch.Tensor], None], on_live_bytes: Callable[[int], None],
+                 on_use: Callable[[Parameter], None]):
         self.params = params
         self.names = names  # ds_id -> qualified parameter name, for errors
         self._reduce = reduce
         self._on_live_bytes = on_live_bytes
+        self._on_use = on_use  # a gradient for the parameter may come from this use
         self.gathered: Dict[int, Parameter] = {}
-        self.gathers = 0  # parameters gathered for eager code, since the runtime's counters were reset
-        self.gathered_names: List[str] = []  # first few, for the one warning
         self._hooks = []
         self._warned = False
+        self._warned_reuse = False
 
     # ----- the contract ZeROOrderedDict.__getitem__ calls ------------------------------------------------
     def record_gathered_param(self, param: Parameter) -> None:
         if param.ds_id in self.gathered or self.params.get(param.ds_id) is not param:
             return
         self.gathered[param.ds_id] = param
-        self.gathers += 1
+        self._on_use(param)
         self._on_live_bytes(param.data.numel() * param.data.element_size())
         if not self._warned:
             self._warned = True
@@ -77,6 +83,20 @@ class EagerAccess:
                         "eagerly: see dynamo's graph-break / recompile messages); it is gathered on access and "
                         "released after backward. Training stays correct, but this part of the model is not "
                         "compiled.", self.name(param))
+
+    def gather(self, param) -> None:
+        """Gather ``param`` (a ZeRO-3 parameter holding its stand-in) for code run outside the compiled graphs."""
+        if isinstance(param, Parameter) and param.ds_id in self.params \
+                and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            param.all_gather()
+            self.record_gathered_param(param)
+
+    def note_reused_graph(self) -> None:
+        if not self._warned_reuse:
+            self._warned_reuse = True
+            log.warning("deepspeed-compile: dynamo reuses a graph compiled for one module's parameters for another "
+                        "instance of the same module (its top-level frame was skipped, or the model is compiled "
+                        "per block); those calls run uncompiled with gathered parameters. Training stays correct.")
 
     def record_param_access(self, param: Parameter) -> None:
         return None  # an AVAILABLE parameter holds its real data: nothing to do
@@ -110,9 +130,9 @@ class EagerAccess:
         params = list(self.gathered.values())
         self.gathered.clear()
         freed = sum(p.data.numel() * p.data.element_size() for p in params
-                    if p.ds_status.name == "AVAILABLE")
+                    if p.ds_status == ZeroParamStatus.AVAILABLE)
         for param in params:
-            if param.ds_status.name == "AVAILABLE":
+            if param.ds_status == ZeroParamStatus.AVAILABLE:
                 param.partition()
         self._on_live_bytes(-freed)
 

@@ -84,8 +84,11 @@ class Z3Runtime:
         self._bucket_buffers: Dict[torch.dtype, Tensor] = {}
         self._backward_pending = False
         self._reduced: set = set()  # ds_ids whose gradient reached the optimizer in this backward
+        self._forward_running = False
+        self._grad_sources: Dict[int, int] = {}  # ds_id -> uses in this step's forward still owing a gradient
+        self._held_grads: Dict[int, Tensor] = {}  # summed gradients of parameters with more uses to come
         names = {p.ds_id: name for name, p in engine.module.named_parameters() if hasattr(p, "ds_id")}
-        self.eager = EagerAccess(self.params, names, self.reduce, self._add_live_bytes)
+        self.eager = EagerAccess(self.params, names, self.reduce, self._add_live_bytes, self.note_grad_source)
         self.eager.install_grad_hooks()
         # the parameter dicts ZeRO-3 gathers from on access while marked in forward (see eager_access.py)
         self._param_dicts = [m._parameters for m in engine.module.modules() if hasattr(m._parameters, "_in_forward")]
@@ -110,6 +113,8 @@ class Z3Runtime:
 
     def gather(self, ds_id: int, dtype: Optional[torch.dtype]) -> Tensor:
         param = self.params[ds_id]
+        if self._forward_running:
+            self.note_grad_source(param)
         shard = param.ds_tensor
         dtype = dtype or shard.dtype
         key = (ds_id, dtype)
@@ -160,7 +165,30 @@ class Z3Runtime:
             self._record_live()
 
     # ----- gradient reduction ----------------------------------------------------------------------------
+    def note_grad_source(self, param: Parameter) -> None:
+        """A forward graph (or eager code) used ``param``: one more gradient for it may come in backward."""
+        if param.requires_grad:
+            self._grad_sources[param.ds_id] = self._grad_sources.get(param.ds_id, 0) + 1
+
     def reduce(self, ds_id: int, grad: Tensor) -> None:
+        """Queue parameter ``ds_id``'s gradient for the reduce-scatter. A parameter used by several graphs, or by
+        a graph and eager code (a tied weight across a graph break), gets one gradient from each: they are summed
+        first and reduced once, as autograd's accumulation does for eager ZeRO-3 (same sum, same rounding)."""
+        remaining = self._grad_sources.get(ds_id, 0)
+        held = self._held_grads.get(ds_id)
+        if held is not None:
+            held.add_(grad)
+        elif remaining > 1:
+            held = self._held_grads[ds_id] = grad.detach().clone(memory_format=torch.contiguous_format)
+        if remaining > 0:
+            self._grad_sources[ds_id] = remaining - 1
+        if held is not None:
+            if remaining > 1:
+                return  # more gradients of this parameter are coming in this backward
+            grad = self._held_grads.pop(ds_id)
+        self._bucket_grad(ds_id, grad)
+
+    def _bucket_grad(self, ds_id: int, grad: Tensor) -> None:
         """Copy the gradient into the bucket now (a compiled graph may reuse its buffer right after this op);
         reduce-scatter the bucket when the next gradient would not fit."""
         param = self.params[ds_id]
@@ -238,6 +266,7 @@ class Z3Runtime:
         standins.install(self.params.values())
         for params in self._param_dicts:
             params._in_forward = True  # ZeRO-3 gathers a parameter read outside the graphs (eager_access.py)
+        self._forward_running = True
         try:
             with self.eager.activated():
                 yield
@@ -246,10 +275,12 @@ class Z3Runtime:
             standins.uninstall(self.params.values())
             raise
         finally:
+            self._forward_running = False
             for params in self._param_dicts:
                 params._in_forward = False
         self._backward_pending = torch.is_grad_enabled()
         if not self._backward_pending:  # no backward will come to end this step
+            self._grad_sources.clear()
             self.eager.release()
             standins.uninstall(self.params.values())
 
@@ -259,6 +290,9 @@ class Z3Runtime:
     def backward_epilogue(self) -> None:
         if not self._backward_pending:
             return
+        for ds_id in sorted(self._held_grads):  # a use whose gradient never came (no grad flowed there)
+            self._bucket_grad(ds_id, self._held_grads.pop(ds_id))
+        self._grad_sources.clear()
         for dtype in sorted(self._buckets, key=str):
             self._flush(dtype)
         # DeepSpeed's epilogue points averaged_gradients at the partitions we filled and ends the micro-step
