@@ -68,6 +68,8 @@ class Z3Runtime:
         self.free_on_release = free_on_release
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else None
         self.bucket_numel = int(engine.zero_reduce_bucket_size())
+        # the columns one reduce of every trained parameter needs: no bucket is ever wider
+        self._grad_columns = sum(p.partition_numel() for p in self.params.values() if p.requires_grad)
         native = load_native(native_op)
         self.gather_path = "native" if native is not None else "python"
         self._cast_all_gather = native or cast_all_gather_python
@@ -206,22 +208,28 @@ class Z3Runtime:
         rows = bucket.buffer[:, bucket.used:bucket.used + width]
         full = flat.numel() // width
         rows[:full].copy_(flat[:full * width].view(full, width))
-        if full < self.world_size and flat.numel() > full * width:
-            rows[full, :flat.numel() - full * width].copy_(flat[full * width:])
+        if full < self.world_size:  # the padded tail of the last shards: the rest of its row, and later rows, are 0
+            rest = flat.numel() - full * width
+            rows[full, :rest].copy_(flat[full * width:])
+            rows[full, rest:].zero_()
+            rows[full + 1:].zero_()
         bucket.items.append((param, width))
         bucket.used += width
         self.counters.reduces += 1
 
     def _bucket_buffer(self, dtype: torch.dtype, width: int, device: torch.device) -> Tensor:
-        """A zeroed (world_size, columns) buffer, allocated once per dtype and reused (as eager ZeRO-3 keeps its
-        gradient bucket); a gradient wider than the bucket gets a buffer of its own."""
-        columns = self.bucket_numel // self.world_size
+        """A (world_size, columns) buffer, allocated once per dtype and reused (as eager ZeRO-3 keeps its gradient
+        bucket). It is never wider than all trained parameters' partitions together, whatever the configured
+        ``reduce_bucket_size`` (DeepSpeed's default, 5e8 elements, would be 2 GB of fp32 for any model), and it is
+        never zeroed: every gradient writes its columns whole, padding included. A gradient wider than the bucket
+        gets a buffer of its own."""
+        columns = min(self.bucket_numel // self.world_size, self._grad_columns)
         if width > columns:
-            return torch.zeros(self.world_size, width, dtype=dtype, device=device)
+            return torch.empty(self.world_size, width, dtype=dtype, device=device)
         buffer = self._bucket_buffers.get(dtype)
         if buffer is None or buffer.device != device:
             buffer = self._bucket_buffers[dtype] = torch.empty(self.world_size, columns, dtype=dtype, device=device)
-        return buffer.zero_()
+        return buffer
 
     def _compact(self, bucket: _Bucket) -> Tensor:
         """The used columns of the bucket as one contiguous (world_size * used) buffer, moved to the front of the

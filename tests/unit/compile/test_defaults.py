@@ -1,0 +1,70 @@
+"""DeepSpeed's default ZeRO-3 settings (no bucket sizes, default persistence threshold), as users run them.
+
+Eager ZeRO-3 and DeepCompile train a ``transformers`` GPT-2 on the same data with a ds_config that sets nothing but
+the stage, the batch and the optimizer. fp32 and the eager backend: losses and parameters must be equal (same
+arithmetic, see test_eager_access.py). The runtime's reduce bucket must be sized to the model, not to the default
+``reduce_bucket_size`` of 5e8 elements (2 GB of fp32), and no per-step cost may grow with it.
+"""
+from distributed import run_distributed
+
+
+def _default_config(section=None):
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 1000}
+    if section is not None:
+        config["compile"] = section
+    return config
+
+
+def _defaults(steps):
+    import time
+    import deepspeed
+    import torch
+    import models_eager
+    from compare import full_params
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch._dynamo.reset()
+    rank = torch.distributed.get_rank()
+    out = {}
+    for name, section in (("eager", None), ("deepcompile", {"deepcompile": True})):
+        model = models_eager.make("gpt2")
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                          config=_default_config(section))
+        if section is not None:
+            engine.compile(backend="eager")
+        losses, times = [], []
+        for step in range(steps):
+            idx, _ = models_eager.batch(step, rank, 16)
+            start = time.perf_counter()
+            loss = engine(input_ids=idx, labels=idx).loss
+            engine.backward(loss)
+            engine.step()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+        result = {"losses": losses, "params": full_params(engine), "step_s": sorted(times[2:])[len(times[2:]) // 2]}
+        runtime = getattr(engine, "_deepspeed_compile_runtime", None)
+        if runtime is not None:
+            result["bucket_numel"] = max(b.numel() for b in runtime._bucket_buffers.values())
+            result["partition_numel"] = sum(p.partition_numel() for p in runtime.params.values()) * runtime.world_size
+            result["active"] = engine.is_deepcompile_active()
+        out[name] = result
+        engine.destroy()
+    out["params_equal"] = all(torch.equal(out["eager"]["params"][k], out["deepcompile"]["params"][k])
+                              for k in out["eager"]["params"])
+    for r in (out["eager"], out["deepcompile"]):
+        del r["params"]
+    return out
+
+
+def test_default_settings_train_exactly_with_a_model_sized_bucket():
+    steps = 8
+    for r in run_distributed(_defaults, steps, timeout_s=400):
+        dc = r["deepcompile"]
+        assert dc["active"]
+        assert dc["losses"] == r["eager"]["losses"], (dc["losses"], r["eager"]["losses"])
+        assert r["params_equal"]
+        # the bucket holds at most every trained parameter's partition on every rank: the model, not 5e8
+        assert 0 < dc["bucket_numel"] <= dc["partition_numel"], dc
+        print(f"default settings, median step: DeepCompile {dc['step_s'] * 1e3:.1f} ms, "
+              f"eager ZeRO-3 {r['eager']['step_s'] * 1e3:.1f} ms")
