@@ -4,8 +4,14 @@
 
 ``fn`` must be a module-level function (it is imported by name in each rank, after the checkout's
 ``deepspeed.compile`` is put in place). Each rank returns ``fn(*args)``; an exception in any rank fails the
-call with that rank's traceback, and a rank that has not finished within ``timeout_s`` (a hung collective,
-a deadlock) is killed and reported, so one broken test never hangs the suite.
+call with that rank's traceback (:class:`RankFailure`), and a rank that has not finished within ``timeout_s``
+(a hung collective, a deadlock) is killed and reported (:class:`RankTimeout`), so one broken test never hangs
+the suite. Once a rank has failed, the others get ``FAILURE_GRACE_S`` to finish (and report their own
+failure) before they are killed: they would otherwise wait in a collective the failed rank never joins.
+Whatever ends the call (a result, a failure, pytest-timeout's exception, Ctrl-C), no rank outlives it.
+
+``timeout_s`` must leave room under pytest's own per-test timeout (``pyproject.toml``), so that a hung rank
+is reported by this harness, with its name, rather than by pytest-timeout.
 """
 import datetime
 import importlib
@@ -13,19 +19,33 @@ import os
 import pickle
 import tempfile
 import time
+import tomllib
 import traceback
 import multiprocessing as mp
-from typing import Any, Callable, List
+import multiprocessing.connection
+from typing import Any, Callable, List, Optional
 
 import checkout  # noqa: F401  (before anything imports deepspeed)
 
 
+def _pytest_timeout_s() -> float:
+    with open(os.path.join(checkout.REPO_ROOT, "pyproject.toml"), "rb") as f:
+        return float(tomllib.load(f)["tool"]["pytest"]["ini_options"]["timeout"])
+
+
+PYTEST_TIMEOUT_S = _pytest_timeout_s()
+# spawning the ranks, killing them and reading their results, all inside pytest's timeout
+TEARDOWN_MARGIN_S = 30.0
+MAX_TIMEOUT_S = PYTEST_TIMEOUT_S - TEARDOWN_MARGIN_S
+FAILURE_GRACE_S = 10.0
+
+
 class RankFailure(AssertionError):
-    """A rank raised; the message carries its traceback."""
+    """A rank raised (or died without a result); the message carries its traceback."""
 
 
 class RankTimeout(AssertionError):
-    """A rank did not finish in time (most likely a hung collective)."""
+    """A rank did not finish in time (most likely a hung collective), and no rank failed."""
 
 
 def _rank_main(module_name: str, fn_name: str, args: tuple, rank: int, world_size: int, workdir: str,
@@ -50,37 +70,63 @@ def _rank_main(module_name: str, fn_name: str, args: tuple, rank: int, world_siz
     os._exit(0)  # skip interpreter teardown: gloo threads of a failed rank must not block exit
 
 
+def _outcome(workdir: str, rank: int) -> Optional[tuple]:
+    path = os.path.join(workdir, f"rank{rank}.pkl")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _wait(procs: List[mp.Process], workdir: str, timeout_s: float) -> None:
+    """Wait until every rank has exited, the deadline has passed, or a rank failed ``FAILURE_GRACE_S`` ago."""
+    deadline = time.monotonic() + timeout_s
+    failed_at = None
+    while True:
+        alive = [p for p in procs if p.is_alive()]
+        now = time.monotonic()
+        if failed_at is None and any(not p.is_alive() and (_outcome(workdir, r) or ("error", ))[0] != "ok"
+                                     for r, p in enumerate(procs)):
+            failed_at = now
+        if not alive or now >= deadline or (failed_at is not None and now - failed_at >= FAILURE_GRACE_S):
+            return
+        end = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
+        mp.connection.wait([p.sentinel for p in alive], timeout=max(0.0, end - now))
+
+
 def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout_s: float = 180.0,
                     collective_timeout_s: float = 60.0) -> List[Any]:
+    if timeout_s > MAX_TIMEOUT_S:
+        raise ValueError(f"run_distributed(timeout_s={timeout_s}): must be at most {MAX_TIMEOUT_S:.0f} s, under "
+                         f"pytest's timeout of {PYTEST_TIMEOUT_S:.0f} s (pyproject.toml) with room to clean up")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="dsc-dist-") as workdir:
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(fn.__module__, fn.__name__, args, rank, world_size, workdir, collective_timeout_s))
                  for rank in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        outcomes = []
-        for rank in range(world_size):
-            path = os.path.join(workdir, f"rank{rank}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    outcomes.append(pickle.load(f))
-            else:
-                outcomes.append(None)
+        try:
+            for p in procs:
+                p.start()
+            _wait(procs, workdir, timeout_s)
+        finally:  # also when pytest-timeout (or anything else) interrupts the wait: no rank may outlive the test
+            still_running = [rank for rank, p in enumerate(procs) if p.pid is not None and p.is_alive()]
+            for rank in still_running:
+                procs[rank].kill()
+            for p in procs:
+                if p.pid is not None:
+                    p.join()
+        outcomes = [_outcome(workdir, rank) for rank in range(world_size)]
     errors = [(rank, o[1]) for rank, o in enumerate(outcomes) if o is not None and o[0] == "error"]
-    if errors:
-        raise RankFailure("\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in errors))
-    if hung:
-        raise RankTimeout(f"{fn.__name__}: rank(s) {hung} did not finish within {timeout_s:.0f} s")
-    missing = [f"rank {rank} (exit code {procs[rank].exitcode})" for rank, o in enumerate(outcomes) if o is None]
-    if missing:
-        raise RankFailure(f"{fn.__name__}: {', '.join(missing)} exited without a result (crashed)")
+    missing = [f"rank {rank} (exit code {procs[rank].exitcode})" for rank, o in enumerate(outcomes)
+               if o is None and rank not in still_running]
+    if errors or missing:
+        message = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in errors)
+        if missing:
+            message += f"\n{fn.__name__}: {', '.join(missing)} exited without a result (crashed)"
+        if still_running:
+            message += (f"\n{fn.__name__}: rank(s) {still_running} were still running "
+                        f"{FAILURE_GRACE_S:.0f} s after the first failure and were killed")
+        raise RankFailure(message)
+    if still_running:
+        raise RankTimeout(f"{fn.__name__}: rank(s) {still_running} did not finish within {timeout_s:.0f} s")
     return [o[1] for o in outcomes]

@@ -1,37 +1,85 @@
 """The pipeline under ``backend="inductor"``, against eager ZeRO-3 trained in the same process (2 gloo ranks).
 
-Tolerances: inductor fuses and reorders fp32 arithmetic (e.g. layer-norm reductions), so results are not
-bitwise equal to eager ZeRO-3; losses must agree within 1e-5 relative in fp32 (measured: ~1e-7) and within 1e-2
-relative under autocast(bf16) (a few bf16 round-offs, see test_pipeline.py). Parameters: AdamW's first updates
-are about lr * sign(grad), so a near-zero gradient whose sign differs by round-off moves a parameter by up to
-2 * lr per step: the bound is 2 * lr * steps.
+Inductor compiles take 30-60 s per configuration on 2 CPU cores: two tests, each one spawned run.
+
+Tolerances: inductor fuses and reorders fp32 arithmetic (layer-norm and softmax reductions, fused matmul
+epilogues), so results are not bitwise equal to eager ZeRO-3. In fp32, gradients (after each backward of the first
+steps), the fp32 master weights' first SGD update (lr times the gradient applied) and every loss must agree
+within 1e-5 relative, norm-wise per parameter: reordering a sum of n terms changes it by at most about
+n * 2^-24 relative, and the longest reductions here are a few hundred terms (measured: 2e-7 on gradients).
+Under autocast(bf16) the bounds of test_pipeline.py apply (twice eager ZeRO-3's own bf16 gradient error against
+fp32; the step-0 loss within 2^-8, the others within 1e-2). SGD, so that parameters carry the gradients' scale.
 """
+import torch
+
 from distributed import run_distributed
 
-STEPS = 10
-LR = 1e-3
+STEPS = 6
+FP32_TOL = 1e-5
 
 
 def _inductor_pairs():
-    from compare import max_param_diff, max_rel_diff, run_pair
+    from compare import run_pair
     out = {}
     for dtype in ("fp32", "autocast"):
-        r = run_pair("gpt", STEPS, dtype=dtype, backend="inductor")
-        out[dtype] = {"loss_diff": max_rel_diff(r["eager_losses"], r["losses"]),
-                      "param_diff": max_param_diff(r["eager_params"], r["params"]),
-                      "saved": r["saved"], "live": r["live_after_step"], "active": r["active"],
-                      "counters": r["counters"]}
+        out[dtype] = run_pair("gpt", STEPS, dtype=dtype, backend="inductor", optimizer="sgd", grad_steps=1)
+    out["autocast"]["fp32_grads"] = out["fp32"]["eager_grads"]  # eager ZeRO-3 in fp32 from the same start
     return out
 
 
+def check_fp32_close(r):
+    from compare import drift_over_movement, max_rel_diff, rel_diffs
+    worst = {"loss": max_rel_diff(r["eager_losses"], r["losses"]), "first_update": max(drift_over_movement(r).values())}
+    for i, (g, eg) in enumerate(zip(r["grads"], r["eager_grads"])):
+        worst[f"grad{i}"] = max(rel_diffs(g, eg).values())
+    assert all(v <= FP32_TOL for v in worst.values()), worst
+    return worst
+
+
 def test_inductor_matches_eager_zero3_and_saves_no_parameter():
-    for out in run_distributed(_inductor_pairs, timeout_s=900):
-        for dtype, tol in (("fp32", 1e-5), ("autocast", 1e-2)):
+    from compare import loss_fell
+    from test_pipeline import check_bf16_against_eager
+    for out in run_distributed(_inductor_pairs, timeout_s=540):
+        print("fp32:", check_fp32_close(out["fp32"]))
+        print("autocast:", check_bf16_against_eager(out["autocast"], "autocast"))
+        for dtype in ("fp32", "autocast"):
             r = out[dtype]
             assert r["active"]
-            assert r["loss_diff"] <= tol, (dtype, r["loss_diff"])
-            assert r["param_diff"] <= 2 * LR * STEPS, (dtype, r["param_diff"])
+            assert loss_fell(r["losses"], by=0.002), (dtype, r["losses"])
             assert r["saved"]["param_bytes"] == 0 and r["saved"]["other_bytes"] > 0, (dtype, r["saved"])
-            assert r["live"] == [0] * STEPS
+            assert r["live_after_step"] == [0] * STEPS
             assert r["counters"]["gathers"] > 0
         assert out["autocast"]["counters"]["allgather_bytes_by_dtype"]["torch.bfloat16"] > 0  # fused cast
+
+
+def _accumulation_and_checkpoint(ckpt_dir):
+    """Gradient accumulation (2 micro-steps) against eager ZeRO-3, then a checkpoint round trip of the inductor
+    engine: save after 2 steps, train 2, load, train the same 2 again."""
+    from compare import full_params, run_eager, train_and_record, unequal
+    from models import ds_config
+    from training import make_engine, train
+    out = run_eager("gpt", 2, grad_accum=2, grad_steps=2, optimizer="sgd")
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True}, grad_accum=2, optimizer="sgd"))
+    out.update(train_and_record(engine, "gpt", 2, 2, compile_kwargs={"backend": "inductor"}))
+    engine.save_checkpoint(ckpt_dir, tag="inductor")
+    saved = full_params(engine)
+    out["after_save"] = train(engine, "gpt", 2, first_step=2)
+    engine.load_checkpoint(ckpt_dir, tag="inductor")
+    out["restored_unequal"] = unequal(saved, full_params(engine))
+    out["active_after_load"] = engine.is_deepcompile_active()
+    gathers = engine._deepspeed_compile_runtime.counters.gathers
+    out["after_load"] = train(engine, "gpt", 2, first_step=2)
+    out["gathers_after_load"] = engine._deepspeed_compile_runtime.counters.gathers - gathers
+    return out
+
+
+def test_inductor_gradient_accumulation_and_checkpoint(tmp_path):
+    for r in run_distributed(_accumulation_and_checkpoint, str(tmp_path), timeout_s=540):
+        assert len(r["grads"]) == 4  # after each of the 4 backwards
+        assert not torch.equal(r["grads"][0]["tok.weight"], r["grads"][1]["tok.weight"])  # accumulated
+        print("fp32 accumulation:", check_fp32_close(r))
+        assert r["restored_unequal"] == []
+        assert r["active_after_load"], "DeepCompile is no longer active after load_checkpoint"
+        assert r["gathers_after_load"] > 0
+        # the same compiled code on the same state: bitwise the same losses
+        assert r["after_load"] == r["after_save"], (r["after_save"], r["after_load"])

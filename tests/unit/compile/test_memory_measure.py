@@ -60,17 +60,41 @@ def test_free_on_unwatched_thread_is_recovered_by_address():
     assert blocks.free(1050) and not blocks.free(1050)
 
 
+def _expected_live_blocks(ptrs, size):
+    """What address matching must conclude when every free is unseen: a block counts as live until a later
+    allocation overlaps it. Returns (peak live blocks, blocks retired by overlap)."""
+    live, peak, retired = [], 0, 0
+    for p in ptrs:
+        overlapping = [q for q in live if q < p + size and p < q + size]
+        retired += len(overlapping)
+        live = [q for q in live if q not in overlapping] + [p]
+        peak = max(peak, len(live))
+    return peak, retired
+
+
 def test_thread_free_does_not_inflate_peak_forever():
-    with trace_memory() as result:
-        for _ in range(5):
-            t = _alloc(2 * MiB)
-            worker = threading.Thread(target=lambda box=[t]: box.clear())
-            del t
-            worker.start()
-            worker.join()
-    # Whether or not the allocator reuses the address, at most one block per round can be leaked.
-    assert result["timeline"].peak_bytes <= 5 * 2 * MiB + PAGE_BYTES
-    assert result["timeline"].peak_bytes >= 2 * MiB
+    """Every free happens on an unwatched thread, so the profiler reports none. The measured peak must be exactly
+    what address matching gives for the addresses the allocator actually handed out (recorded here): with no
+    address reuse that is all 5 blocks, and each reuse retires one. The trial repeats until the allocator has
+    reused an address at least once, so that the measurement is seen to differ from "every free missed"."""
+    rounds, size = 5, 2 * MiB
+    for _ in range(10):
+        ptrs = []
+        with trace_memory() as result:
+            for _ in range(rounds):
+                t = _alloc(size)
+                ptrs.append(t.data_ptr())
+                worker = threading.Thread(target=lambda box=[t]: box.clear())
+                del t
+                worker.start()
+                worker.join()
+        timeline = result["timeline"]
+        peak_blocks, retired = _expected_live_blocks(ptrs, size)
+        assert timeline.peak_bytes == peak_blocks * size, (timeline.peak_bytes / MiB, ptrs)
+        assert timeline.inferred_frees == retired
+        if peak_blocks < rounds:
+            return
+    pytest.skip(f"the allocator never reused an address in 10 trials of {rounds} rounds")
 
 
 def test_window_of_timeline():

@@ -2,58 +2,102 @@
 
 Tolerances:
 - fp32, eager backend: the compiled graphs do the same arithmetic in the same order as eager ZeRO-3 (the
-  gather, the pre-divided reduce-scatter and the optimizer are bitwise the same), so losses and parameters
-  must agree to fp32 round-off: 1e-6 relative on losses, 1e-6 absolute on parameters.
-- bf16 / autocast(bf16): eager ZeRO-3 runs linear layers through its own autograd function while the compiled
-  graph runs aten's decomposition; both are correct but round in a different order in bf16, whose unit
-  round-off is 2^-9 (about 2e-3). Losses must agree within 1e-2 relative (a few bf16 round-offs). Parameters:
-  AdamW's first updates are about lr * sign(grad), so a near-zero gradient whose sign differs by round-off moves
-  a parameter by up to 2 * lr per step: the bound is 2 * lr * steps.
+  gather, the pre-divided reduce-scatter and the optimizer are bitwise the same), so every loss, every gradient
+  (gathered from the ZeRO-3 partitions after each backward of the first steps), every parameter and buffer must
+  be bitwise equal: ``==`` and ``torch.equal``, no tolerance.
+- bf16 / autocast(bf16): eager ZeRO-3 and the compiled graph round differently (see ``compare.py``), so
+  - gradients at step 0 (same parameters on both sides), and under SGD the fp32 master weights' first update
+    (lr times the gradient the optimizer applied), may differ norm-wise by at most twice eager ZeRO-3's own bf16
+    error against the fp32 gradient (``compare.bf16_grad_bound``); a wrong gradient scale differs by 50 % or more;
+  - the loss of step 0 within one bf16 unit round-off, 2^-8 relative; the losses of all 10 steps within 1e-2
+    (the parameters have drifted apart by then, see below; measured 3e-3 at most).
+  Later parameters are not compared: 10 steps compound the rounding differences into a drift of 10-25 % of
+  the distance moved, which bounds nothing.
+Every test also checks that training makes the loss fall (the data is learnable, see ``models.py``).
 """
 import os
 
 import pytest
+import torch
 
 from distributed import run_distributed
 
 STEPS = 10
-LR = 1e-3
 
 
-def _pair(model, dtype, section, steps=STEPS, grad_accum=1):
-    from compare import max_param_diff, max_rel_diff, run_pair
-    r = run_pair(model, steps, dtype=dtype, compile_section=section, grad_accum=grad_accum)
-    r["loss_diff"] = max_rel_diff(r["eager_losses"], r["losses"])
-    r["param_diff"] = max_param_diff(r["eager_params"], r["params"])
-    del r["params"], r["eager_params"]
-    return r
+def _pair(model, dtype, section, steps=STEPS, grad_accum=1, optimizer="adamw", config=None):
+    """Gradients are compared after every backward of the first 2 steps."""
+    from compare import run_pair
+    return run_pair(model, steps, dtype=dtype, compile_section=section, grad_accum=grad_accum, optimizer=optimizer,
+                    grad_steps=2, **(config or {}))
 
 
-def _check_common(r, steps=STEPS, grad_accum=1):
+def _check_common(r, steps=STEPS, grad_accum=1, fall_by=0.01):
+    """DeepCompile ran, released what it gathered, and training made the loss fall (mean of the last 2 steps
+    against the first 2) by ``fall_by`` relative: 1 % in 10 AdamW steps; the GPT learns slowly under SGD."""
+    from compare import loss_fell
     assert r["active"], "the engine is not running DeepCompile"
     assert len(r["losses"]) == steps * grad_accum
     assert r["counters"]["gathers"] > 0 and r["counters"]["reduces"] > 0
     assert r["live_after_step"] == [0] * steps, "gathered parameters outlived their step"
+    assert loss_fell(r["losses"], window=2 * grad_accum, by=fall_by), r["losses"]
 
 
-@pytest.mark.parametrize("model", ["mlp", "gpt", "frozen"])
-def test_fp32_matches_eager_zero3(model):
-    for r in run_distributed(_pair, model, "fp32", {}):
-        _check_common(r)
-        assert r["loss_diff"] <= 1e-6, r["loss_diff"]
-        assert r["param_diff"] <= 1e-6, r["param_diff"]
-        if model == "gpt":
+@pytest.mark.parametrize("model,optimizer", [("mlp", "adamw"), ("gpt", "adamw"), ("gpt", "sgd"), ("frozen", "adamw")])
+def test_fp32_matches_eager_zero3(model, optimizer):
+    from compare import assert_bitwise_equal
+    from models import make_model
+    initial = dict(make_model(model).named_parameters())
+    for r in run_distributed(_pair, model, "fp32", {}, STEPS, 1, optimizer):
+        _check_common(r, fall_by=0.01 if optimizer == "adamw" else 0.002)
+        assert_bitwise_equal(r)
+        frozen = {name for name, p in initial.items() if not p.requires_grad}
+        for grads in r["grads"]:
+            assert {name for name, g in grads.items() if g is None} == frozen
+        for name in frozen:
+            assert torch.equal(r["params"][name], initial[name].detach()), f"frozen {name} changed"
+        if model == "gpt":  # tied input/output embedding: one parameter, one gradient
+            assert "tok.weight" in r["grads"][0] and len(r["params"]) == len(initial)
             assert r["saved"]["param_bytes"] == 0, r["saved"]
             assert r["saved"]["other_bytes"] > 0
 
 
+def _bf16_pair(dtype):
+    """The compiled engine and eager ZeRO-3 in ``dtype`` under SGD, and eager ZeRO-3's fp32 gradient at step 0."""
+    from compare import run_eager, run_pair
+    r = run_pair("gpt", STEPS, dtype=dtype, optimizer="sgd", grad_steps=1)
+    r["fp32_grads"] = run_eager("gpt", 1, optimizer="sgd", grad_steps=1)["eager_grads"]
+    return r
+
+
+def check_bf16_against_eager(r, dtype):
+    from compare import BF16_UNIT_ROUNDOFF, bf16_grad_bound, drift_over_movement, max_rel_diff, rel_diffs
+    bound = bf16_grad_bound(r["eager_grads"][0], r["fp32_grads"][0])
+    assert bound < 0.1, f"eager ZeRO-3's own {dtype} gradient error is implausibly large: {bound / 2:.3g}"
+    grad_diff = rel_diffs(r["grads"][0], r["eager_grads"][0])
+    assert max(grad_diff.values()) <= bound, (bound, {k: v for k, v in grad_diff.items() if v > bound})
+    drift = drift_over_movement(r)
+    assert max(drift.values()) <= bound, (bound, {k: v for k, v in drift.items() if v > bound})
+    assert max_rel_diff(r["eager_losses"][:1], r["losses"][:1]) <= BF16_UNIT_ROUNDOFF, (r["eager_losses"], r["losses"])
+    loss_diff = max_rel_diff(r["eager_losses"], r["losses"])
+    assert loss_diff <= 1e-2, (r["eager_losses"], r["losses"])
+    return {"grad": max(grad_diff.values()), "bound": bound, "first_update": max(drift.values()), "loss": loss_diff,
+            "final_drift": max(drift_over_movement(r, "master").values())}
+
+
 @pytest.mark.parametrize("dtype", ["autocast", "bf16"])
 def test_bf16_matches_eager_zero3(dtype):
-    for r in run_distributed(_pair, "gpt", dtype, {}):
-        _check_common(r)
-        assert r["loss_diff"] <= 1e-2, r["loss_diff"]
-        assert r["param_diff"] <= 2 * LR * STEPS, r["param_diff"]
+    from compare import loss_fell
+    for r in run_distributed(_bf16_pair, dtype):
+        assert r["active"] and r["live_after_step"] == [0] * STEPS
+        assert loss_fell(r["losses"], by=0.002), r["losses"]
+        measured = check_bf16_against_eager(r, dtype)
+        print(f"{dtype}: " + ", ".join(f"{k} {v:.3g}" for k, v in measured.items()))
         assert r["saved"]["param_bytes"] == 0, r["saved"]
+        if dtype == "bf16":  # the bf16 parameters are the fp32 master weights rounded, on both engines
+            for key in ("", "eager_"):
+                params, master = r[key + "params"], r[key + "master"]
+                assert all(torch.equal(params[k], master[k].bfloat16().float()) for k in params), key
 
 
 def _traffic_and_saved(model):
@@ -64,11 +108,12 @@ def _traffic_and_saved(model):
                                  ("default", "fp32", {"partitioner": "default"}),
                                  ("autocast_default", "autocast", {"partitioner": "default"})]:
         r = run_pair(model, 2, dtype=dtype, compile_section=section)
-        out[name] = (r["counters"], r["saved"], r["losses"], r["live_after_step"])
+        out[name] = (r["counters"], r["saved"], r["losses"], r["live_after_step"], r["eager_losses"])
     return out
 
 
 def test_partitioner_and_fused_cast_effects():
+    from compare import BF16_UNIT_ROUNDOFF, max_rel_diff
     for out in run_distributed(_traffic_and_saved, "gpt", timeout_s=400):
         # min-cut with tags saves no parameter-derived tensor; the default partition does (the tags matter)
         assert out["fp32"][1]["param_bytes"] == 0 and out["autocast"][1]["param_bytes"] == 0
@@ -82,25 +127,36 @@ def test_partitioner_and_fused_cast_effects():
         assert fused["torch.float32"] + 2 * fused["torch.bfloat16"] == out["autocast_unfused"][0]["allgather_bytes"]
         assert out["autocast_unfused"][0]["allgather_bytes"] == out["fp32"][0]["allgather_bytes"]
         assert out["autocast"][2] == out["autocast_unfused"][2], "fusing the cast changed the numbers"
-        for counters, _, _, live in out.values():
+        for name, (counters, _, losses, live, eager_losses) in out.items():
             assert live == [0, 0]
+            if name.startswith("autocast"):  # see the module docstring
+                assert max_rel_diff(eager_losses[:1], losses[:1]) <= BF16_UNIT_ROUNDOFF, (name, eager_losses, losses)
+                assert max_rel_diff(eager_losses, losses) <= 1e-2, (name, eager_losses, losses)
+            else:
+                assert losses == eager_losses, (name, eager_losses, losses)
 
 
 def test_gradient_accumulation_matches_eager_zero3():
+    # gradients compared after each of the 4 backwards of the first 2 steps: the accumulated gradient's scale
+    from compare import assert_bitwise_equal
     for r in run_distributed(_pair, "gpt", "fp32", {}, 5, 2):
         _check_common(r, steps=5, grad_accum=2)
-        assert r["loss_diff"] <= 1e-6 and r["param_diff"] <= 1e-6, (r["loss_diff"], r["param_diff"])
+        assert len(r["grads"]) == 4
+        assert_bitwise_equal(r)
+        # the second micro-step's gradient is the sum of both: not equal to the first
+        assert not torch.equal(r["grads"][0]["tok.weight"], r["grads"][1]["tok.weight"])
 
 
 def test_graph_break_trains_correctly():
+    from compare import assert_bitwise_equal
     for r in run_distributed(_pair, "branchy", "fp32", {}):
         _check_common(r)
         assert r["graphs"] >= 2, "the model was expected to break into several graphs"
-        assert r["loss_diff"] <= 1e-6 and r["param_diff"] <= 1e-6, (r["loss_diff"], r["param_diff"])
+        assert_bitwise_equal(r)
 
 
 def _checkpoint_round_trip(ckpt_root, section):
-    from compare import full_params, max_param_diff
+    from compare import full_params, unequal
     from models import ds_config
     from training import make_engine, train
     engine = make_engine("gpt", ds_config(3, section))
@@ -111,19 +167,26 @@ def _checkpoint_round_trip(ckpt_root, section):
     saved = full_params(engine)
     after_save = train(engine, "gpt", 3, first_step=3)
     engine.load_checkpoint(ckpt_root, tag=tag)
-    restored = max_param_diff(saved, full_params(engine))
+    restored = unequal(saved, full_params(engine))
+    active_after_load = engine.is_deepcompile_active()
+    gathers_before = getattr(engine, "_deepspeed_compile_runtime", None)
+    gathers_before = gathers_before.counters.gathers if gathers_before is not None else None
     after_load = train(engine, "gpt", 3, first_step=3)
-    return after_save, after_load, restored
+    runtime = getattr(engine, "_deepspeed_compile_runtime", None)
+    gathered_after_load = None if runtime is None else runtime.counters.gathers - gathers_before
+    return after_save, after_load, restored, active_after_load, gathered_after_load
 
 
 def test_checkpoint_round_trip_matches_eager_zero3(tmp_path):
     eager = run_distributed(_checkpoint_round_trip, str(tmp_path), None)
     compiled = run_distributed(_checkpoint_round_trip, str(tmp_path), {"deepcompile": True})
     assert os.path.isdir(tmp_path / "compiled")
-    for (e_save, e_load, e_restored), (c_save, c_load, c_restored) in zip(eager, compiled):
-        assert e_restored == 0.0 and c_restored == 0.0
+    for (e_save, e_load, e_restored, _, _), (c_save, c_load, c_restored, c_active, c_gathered) in zip(eager, compiled):
+        assert e_restored == [] and c_restored == [], (e_restored, c_restored)
+        assert c_active, "DeepCompile is no longer active after load_checkpoint"
+        assert c_gathered > 0, "training after load_checkpoint did not run the compiled graphs"
         assert c_save == c_load, "training after load differs from training after save"
-        assert c_load == pytest.approx(e_load, rel=1e-6)
+        assert c_load == e_load, "training after load differs from eager ZeRO-3's"
 
 
 def _failed_compile_falls_back():
@@ -157,7 +220,7 @@ def test_failed_compile_restores_eager_zero3():
         assert hooks_on == 0 and hooks_after > 0, "eager ZeRO-3 gradient hooks were not switched off/on"
         assert raised is not None and "injected pass failure" in raised
         assert not active
-        assert losses == pytest.approx(eager_losses, rel=1e-6)
+        assert losses == eager_losses  # uncompiled eager ZeRO-3 from the first step on: the same arithmetic
 
 
 def _native_vs_python():
@@ -199,13 +262,9 @@ def test_scheduled_collective_order_is_the_same_on_every_rank():
     assert orders[0] == orders[1]
 
 
-def _persistent_pair():
-    from compare import max_param_diff, max_rel_diff, run_pair
-    r = run_pair("gpt", STEPS, persistence_threshold=1000)  # norms, biases and the position table persist
-    return max_rel_diff(r["eager_losses"], r["losses"]), max_param_diff(r["eager_params"], r["params"]), r
-
-
 def test_persistent_parameters_match_eager_zero3():
-    for loss_diff, param_diff, r in run_distributed(_persistent_pair):
+    from compare import assert_bitwise_equal
+    # norms, biases and the position table persist (not partitioned)
+    for r in run_distributed(_pair, "gpt", "fp32", {}, STEPS, 1, "adamw", {"persistence_threshold": 1000}):
         _check_common(r)
-        assert loss_diff <= 1e-6 and param_diff <= 1e-6, (loss_diff, param_diff)
+        assert_bitwise_equal(r)

@@ -29,7 +29,10 @@ def make_engine(model_name: str, config: Dict[str, Any], seed: int = 0):
 
 
 def train(engine, model_name: str, steps: int, compile_kwargs: Optional[Dict[str, Any]] = None,
-          after_step: Optional[Callable[[Any], None]] = None, first_step: int = 0) -> List[float]:
+          after_step: Optional[Callable[[Any], None]] = None, first_step: int = 0,
+          after_backward: Optional[Callable[[Any, int], None]] = None) -> List[float]:
+    """Train ``steps`` optimizer steps (each of ``gradient_accumulation_steps`` micro-steps); returns the loss of
+    every micro-step. ``after_backward(engine, step)`` runs between each backward and ``engine.step()``."""
     if compile_kwargs is not None:
         engine.compile(**compile_kwargs)
     rank = torch.distributed.get_rank()
@@ -39,6 +42,8 @@ def train(engine, model_name: str, steps: int, compile_kwargs: Optional[Dict[str
             batch = make_batch(model_name, step * 100 + micro, rank)
             loss = engine(*batch)
             engine.backward(loss)
+            if after_backward is not None:
+                after_backward(engine, step)
             engine.step()
             losses.append(loss.item())
         if after_step is not None:
