@@ -49,6 +49,8 @@ def deactivate(engine, uncompile: bool = False) -> None:
     from .capture import eager_hooks, standins
     runtime = getattr(engine, RUNTIME_ATTR, None)
     if runtime is not None:
+        runtime.eager.release()
+        runtime.eager.remove_grad_hooks()  # eager ZeRO-3's own gradient hooks take over
         standins.uninstall(runtime.params.values())
     eager_hooks.switch_on(engine)
     if engine.is_deepcompile_active():
