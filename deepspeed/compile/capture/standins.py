@@ -19,9 +19,9 @@ _PARTITIONED = "_dsc_partitioned_data"  # ZeRO's own .data, put back by uninstal
 
 
 def _needs_standin(param: Parameter) -> bool:
-    # Every ZeRO-3 parameter, persistent ones and ones left gathered included: the graph gathers each from its
-    # shard (eager ZeRO-3's hooks, which would gather persistent parameters once, are off), and one kind of input
-    # (stride 0, full shape) keeps dynamo's guards stable whatever ZeRO did to .data between steps.
+    # Every sharded ZeRO-3 parameter the runtime passes in (persistent ones are not passed: they stay gathered
+    # across steps, see runtime/z3.py). One kind of input (stride 0, full shape) keeps dynamo's guards stable
+    # whatever ZeRO did to .data between steps.
     return hasattr(param, "ds_shape") and hasattr(param, "ds_tensor")
 
 

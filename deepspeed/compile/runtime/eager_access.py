@@ -158,7 +158,7 @@ class EagerAccess:
         param.grad = None
         if grad is None:
             return
-        if param.ds_id not in self.gathered:
+        if param.ds_id not in self.gathered and not param.ds_persist:  # a persistent one holds its real values
             raise StandinReadError(
                 f"deepspeed-compile: parameter {self.name(param)} was used outside the compiled graphs without "
                 "being gathered (the code held the Parameter object instead of reading it through its module, "

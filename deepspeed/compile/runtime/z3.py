@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import Tensor
 from torch.nn import Parameter
 
@@ -62,6 +63,11 @@ class Z3Runtime:
         self.group = self.optimizer.dp_process_group
         self.world_size = dist.get_world_size(group=self.group)
         self.params: Dict[int, Parameter] = {p.ds_id: p for p in engine.module.parameters() if hasattr(p, "ds_id")}
+        # Persistent parameters (DeepSpeed's stage3_param_persistence_threshold) stay gathered across steps, as in
+        # eager ZeRO-3: the graphs read them as they are, with no gather or release op, and ZeRO-3's optimizer
+        # gathers them again after each step. Only the others are sharded, stood in for and gathered in the graphs.
+        self.persistent: List[Parameter] = [p for p in self.params.values() if getattr(p, "ds_persist", False)]
+        self.sharded: Dict[int, Parameter] = {i: p for i, p in self.params.items() if not getattr(p, "ds_persist", False)}
         # Eager backend: nothing reuses a freed buffer, so a release frees the storage at once, whoever still holds
         # a Python reference. Inductor frees a buffer right after its last use and may hand its memory to a later
         # buffer ("reuse"): there the release only drops the runtime's reference, never the storage.
@@ -103,7 +109,7 @@ class Z3Runtime:
     # ----- parameters ------------------------------------------------------------------------------------
     def param_ds_ids(self, inputs) -> List[Optional[int]]:
         """ds_id of every graph input that is one of this engine's ZeRO-3 parameters (None elsewhere)."""
-        return [t.ds_id if isinstance(t, Parameter) and self.params.get(getattr(t, "ds_id", None)) is t else None
+        return [t.ds_id if isinstance(t, Parameter) and self.sharded.get(getattr(t, "ds_id", None)) is t else None
                 for t in inputs]
 
     # ----- gather / release ------------------------------------------------------------------------------
@@ -271,7 +277,10 @@ class Z3Runtime:
     # ----- engine hooks ----------------------------------------------------------------------------------
     @contextmanager
     def forward_context(self):
-        standins.install(self.params.values())
+        absent = [p for p in self.persistent if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if absent:  # first step, or after something partitioned them (checkpointing): one coalesced ZeRO-3 gather
+            absent[0].all_gather(param_list=absent)
+        standins.install(self.sharded.values())
         for params in self._param_dicts:
             params._in_forward = True  # ZeRO-3 gathers a parameter read outside the graphs (eager_access.py)
         self._forward_running = True

@@ -48,6 +48,8 @@ def _defaults(steps):
             result["bucket_numel"] = max(b.numel() for b in runtime._bucket_buffers.values())
             result["partition_numel"] = sum(p.partition_numel() for p in runtime.params.values()) * runtime.world_size
             result["active"] = engine.is_deepcompile_active()
+            result["gathers"] = runtime.counters.gathers
+            result["persistent"] = len(runtime.persistent)
         out[name] = result
         engine.destroy()
     out["params_equal"] = all(torch.equal(out["eager"]["params"][k], out["deepcompile"]["params"][k])
@@ -66,5 +68,8 @@ def test_default_settings_train_exactly_with_a_model_sized_bucket():
         assert r["params_equal"]
         # the bucket holds at most every trained parameter's partition on every rank: the model, not 5e8
         assert 0 < dc["bucket_numel"] <= dc["partition_numel"], dc
+        # every parameter of this model is under the default persistence threshold (1e5 elements): as in eager
+        # ZeRO-3 they stay gathered across steps, and the graphs gather none of them
+        assert dc["persistent"] > 0 and dc["gathers"] == 0, dc
         print(f"default settings, median step: DeepCompile {dc['step_s'] * 1e3:.1f} ms, "
               f"eager ZeRO-3 {r['eager']['step_s'] * 1e3:.1f} ms")
