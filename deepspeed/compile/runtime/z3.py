@@ -200,7 +200,9 @@ class Z3Runtime:
         """Copy the gradient into the bucket now (a compiled graph may reuse its buffer right after this op);
         reduce-scatter the bucket when the next gradient would not fit."""
         param = self.params[ds_id]
-        dtype = self.comm_dtype or grad.dtype
+        # the parameter's communication dtype, as eager ZeRO-3 chooses it: under torch_autocast the gradients of
+        # lower-precision-safe modules travel in the autocast dtype (half the bytes), the others in their own
+        dtype = self.optimizer.get_param_comm_dtype(param) or self.comm_dtype or grad.dtype
         width = param.partition_numel()
         bucket = self._buckets.get(dtype)
         if bucket is not None and bucket.used + width > bucket.buffer.shape[1]:

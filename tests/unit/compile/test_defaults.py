@@ -73,3 +73,40 @@ def test_default_settings_train_exactly_with_a_model_sized_bucket():
         assert dc["persistent"] > 0 and dc["gathers"] == 0, dc
         print(f"default settings, median step: DeepCompile {dc['step_s'] * 1e3:.1f} ms, "
               f"eager ZeRO-3 {r['eager']['step_s'] * 1e3:.1f} ms")
+
+
+def _reduce_bytes_under_autocast(steps):
+    import deepspeed
+    import torch
+    import models_eager
+    from benchmarks.comm import count_collectives
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch._dynamo.reset()
+    rank = torch.distributed.get_rank()
+    out = {}
+    for name, section in (("eager", None), ("deepcompile", {"deepcompile": True})):
+        model = models_eager.make("plain")
+        config = _default_config(section)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every parameter sharded
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+        if section is not None:
+            engine.compile(backend="eager")
+        idx, targets = models_eager.batch(0, rank, 12)
+        engine.backward(engine(idx, targets))  # the first step compiles: count the steps after it
+        engine.step()
+        with count_collectives() as counts:
+            for step in range(1, steps + 1):
+                idx, targets = models_eager.batch(step, rank, 12)
+                engine.backward(engine(idx, targets))
+                engine.step()
+        out[name] = counts.reduce_scatter_bytes
+        engine.destroy()
+    return out
+
+
+def test_autocast_reduces_gradients_in_each_parameters_comm_dtype():
+    """Under torch_autocast eager ZeRO-3 reduces the gradients of lower-precision-safe modules (nn.Linear here) in
+    bf16 and the others in fp32; DeepCompile moves exactly the same reduce-scatter bytes."""
+    for r in run_distributed(_reduce_bytes_under_autocast, 3):
+        assert r["deepcompile"] == r["eager"] > 0, r
