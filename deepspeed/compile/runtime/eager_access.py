@@ -41,6 +41,13 @@ def active() -> Optional["EagerAccess"]:
     return _ACTIVE.get()
 
 
+def _dynamo_reasons() -> list:
+    """Why dynamo did not compile something: the messages of its graph breaks and skipped frames so far."""
+    from torch._dynamo.utils import counters
+    lines = (msg.splitlines()[0][:300] for category in ("graph_break", "unimplemented") for msg in counters.get(category, {}))
+    return list(dict.fromkeys(line for line in lines if line))
+
+
 def keep_getter_eager() -> None:
     """Never compile ZeRO-3's parameter getter, or what it calls, as frames of their own. Called from code dynamo
     runs eagerly, the getter would otherwise be compiled (where ``torch.compiler.is_compiling()`` makes it hand
@@ -67,7 +74,7 @@ class EagerAccess:
         self._on_use = on_use  # a gradient for the parameter may come from this use
         self.gathered: Dict[int, Parameter] = {}
         self._hooks = []
-        self._warned = False
+        self._reported = set()  # dynamo's reasons already named in a warning
         self._warned_reuse = False
 
     # ----- the contract ZeROOrderedDict.__getitem__ calls ------------------------------------------------
@@ -77,12 +84,13 @@ class EagerAccess:
         self.gathered[param.ds_id] = param
         self._on_use(param)
         self._on_live_bytes(param.data.numel() * param.data.element_size())
-        if not self._warned:
-            self._warned = True
-            log.warning("deepspeed-compile: parameter %s is read outside the compiled graphs (a frame dynamo runs "
-                        "eagerly: see dynamo's graph-break / recompile messages); it is gathered on access and "
-                        "released after backward. Training stays correct, but this part of the model is not "
-                        "compiled.", self.name(param))
+        reasons = [r for r in _dynamo_reasons() if r not in self._reported]
+        if reasons or not self._reported:
+            self._reported.update(reasons or ["(no reason recorded by dynamo)"])
+            why = "; ".join(reasons) or "dynamo recorded no reason"
+            log.warning("deepspeed-compile: parameter %s is read by code outside the compiled graphs (dynamo ran it "
+                        "eagerly; dynamo's reason: %s). It is gathered on access and released after backward: "
+                        "training stays correct, but this part of the model is not compiled.", self.name(param), why)
 
     def gather(self, param) -> None:
         """Gather ``param`` (a ZeRO-3 parameter holding its stand-in) for code run outside the compiled graphs."""
