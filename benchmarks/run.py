@@ -53,7 +53,8 @@ def run_config(args: argparse.Namespace, row: str, backend: str, dtype: str) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            os.path.join(REPO_ROOT, "benchmarks", "worker.py"), "--row", row, "--dtype", dtype,
            "--backend", "eager" if backend == "-" else backend, "--model", args.model, "--size", args.size,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out_json]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--zero-settings", args.zero_settings,
+           "--out", out_json]
     if args.progress:
         cmd.append("--progress")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
@@ -146,6 +147,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")
     p.add_argument("--nproc", type=int, default=2, help="ranks per configuration")
+    p.add_argument("--zero-settings", choices=("tuned", "defaults"), default="tuned",
+                   help="ZeRO-3 knobs: sized to the model (tuned) or DeepSpeed's defaults (only stage 3 set)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "out", "bench"))
     p.add_argument("--progress", action="store_true", help="show each step of each configuration")

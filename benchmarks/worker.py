@@ -41,8 +41,11 @@ CLIP = 1.0  # DeepSpeed 0.19.8 clips at norm 1.0 by default; FSDP2 is clipped th
 Step = Tuple[Callable[[Tuple[torch.Tensor, ...]], torch.Tensor], Callable[[torch.Tensor], None], Callable[[], None]]
 
 
-def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """One ZeRO-3 config for every DeepSpeed row; buckets sized to the model (the defaults preallocate GBs)."""
+def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optional[Dict[str, Any]],
+              zero_settings: str = "tuned") -> Dict[str, Any]:
+    """One ZeRO-3 config for every DeepSpeed row. ``tuned``: buckets sized to the model, nothing persistent.
+    ``defaults``: the ZeRO section says only ``stage: 3``, as most users' configs do (DeepSpeed's 5e8-element
+    buckets, parameters under 1e5 elements persistent)."""
     bucket = int(max(model_numel // 4, 1 << 16))
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
@@ -56,6 +59,10 @@ def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optiona
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
     }
+    if zero_settings == "defaults":
+        config["zero_optimization"] = {"stage": 3}
+    elif zero_settings != "tuned":
+        raise ValueError(f"zero_settings must be 'tuned' or 'defaults', got {zero_settings!r}")
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     elif dtype == "autocast":
@@ -79,7 +86,7 @@ def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[S
     section = None
     if args.row.startswith("ours-"):
         section = {"deepcompile": True, "partitioner": args.row.split("-", 1)[1].replace("mincut", "min_cut")}
-    config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section)
+    config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section, args.zero_settings)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     if args.row != "zero3":
         engine.compile(backend=args.backend)
@@ -224,6 +231,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zero-settings", choices=("tuned", "defaults"), default="tuned",
+                   help="ZeRO-3 knobs of the DeepSpeed rows: sized to the model, or DeepSpeed's defaults")
     p.add_argument("--progress", action="store_true", help="print one line per step on rank 0")
     p.add_argument("--out", help="JSON result path (rank 0)")
     return p.parse_args(argv)

@@ -65,6 +65,9 @@ class GraphCompiler:
             passes.append(("fast_free_schedule", functools.partial(fast_free_schedule, prefetch=self.config.prefetch,
                                                                    collective_order="first_use")))
         passes.append(("pin_gathers", rewrite.pin_gathers_pass))
+        if self.runtime.gather_bucket_numel > 0:
+            passes.append(("coalesce_gathers", functools.partial(rewrite.coalesce_gathers_pass, runtime_id=rid,
+                                                                 bucket_numel=self.runtime.gather_bucket_numel)))
         return passes
 
     def compile_forward(self, gm: GraphModule, example_inputs):

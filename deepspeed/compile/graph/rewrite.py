@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Set
 import torch
 from torch.fx import GraphModule, Node
 
-from ..runtime.ops import GATHER, RELEASE, REDUCE
+from ..runtime.ops import GATHER, PREFETCH, RELEASE, REDUCE
 from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, is_reduce, is_release,
-                    output_args, placeholders, reader_outputs)
+                    output_args, placeholders, reader_outputs, size_hint)
 
 # Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
 META_ESCAPED_DS_ID = "dsc_escaped_ds_id"
@@ -105,6 +105,48 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
               and isinstance(node.meta.get("val"), torch.Tensor)):
             previous = node
     return gm
+
+
+def coalesce_gathers_pass(gm: GraphModule, *, runtime_id: int, bucket_numel: int) -> GraphModule:
+    """Gathers the schedule placed next to each other (nothing but releases between them) go out as one
+    collective, up to ``bucket_numel`` elements: a ``prefetch_params`` op before the run gathers them all, and each
+    gather, which now also waits for its token, finds its parameter there. The schedule's memory plan is unchanged:
+    adjacent gathers were live together anyway. Gathers of different dtypes form separate runs."""
+    runs: List[List[Node]] = []
+    run: List[Node] = []
+    numel = 0
+    for node in gm.graph.nodes:
+        if is_gather(node):
+            size = _numel(node)
+            if run and (gather_dtype(node) != gather_dtype(run[0]) or numel + size > bucket_numel):
+                runs.append(run)
+                run, numel = [], 0
+            run.append(node)
+            numel += size
+        elif not is_release(node):
+            runs.append(run)
+            run, numel = [], 0
+    runs.append(run)
+    for run in (r for r in runs if len(r) > 1):
+        members = set(run)
+        after = list(dict.fromkeys(a for g in run for a in _after(g) if a not in members))
+        with gm.graph.inserting_before(run[0]):
+            token = gm.graph.call_function(PREFETCH, (runtime_id, [g.args[2] for g in run], gather_dtype(run[0]),
+                                                      after))
+        token.meta["val"] = torch.empty(0)
+        for gather in run:
+            gather.args = (*gather.args[:4], [*_after(gather), token])
+            gather.kwargs = {}
+    return gm
+
+
+def _after(gather: Node) -> List[Node]:
+    return list(gather.args[4] if len(gather.args) > 4 else gather.kwargs.get("after", []))
+
+
+def _numel(gather: Node) -> int:
+    val = gather.meta.get("val")
+    return size_hint(val.numel()) if isinstance(val, torch.Tensor) else 0
 
 
 def insert_reduces_pass(gm: GraphModule, *, runtime_id: int, grad_ds_ids: List[Optional[int]]) -> GraphModule:

@@ -57,6 +57,20 @@ def _(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> Non
     return None
 
 
+@torch.library.custom_op("dsc::prefetch_params", mutates_args=())
+def prefetch_params(runtime_id: int, ds_ids: List[int], dtype: Optional[torch.dtype], after: List[Tensor]) -> Tensor:
+    """All-gather parameters ``ds_ids`` (a run of gathers the schedule placed next to each other) in one
+    collective, each cast to ``dtype`` first (their own dtype when None). Each parameter's own ``gather_param``,
+    which takes the returned token in its ``after``, then finds it gathered. Returns an empty token."""
+    registry.lookup(runtime_id).prefetch(ds_ids, dtype)
+    return torch.empty(0)
+
+
+@prefetch_params.register_fake
+def _(runtime_id: int, ds_ids: List[int], dtype: Optional[torch.dtype], after: List[Tensor]) -> Tensor:
+    return torch.empty(0)
+
+
 @torch.library.custom_op("dsc::reduce_grad", mutates_args=("grad",))
 def reduce_grad(grad: Tensor, runtime_id: int, ds_id: int) -> None:
     """Queue the full gradient of parameter ``ds_id`` for a bucketed reduce-scatter into its ZeRO partition."""
@@ -69,5 +83,6 @@ def _(grad: Tensor, runtime_id: int, ds_id: int) -> None:
 
 
 GATHER = torch.ops.dsc.gather_param.default
+PREFETCH = torch.ops.dsc.prefetch_params.default
 RELEASE = torch.ops.dsc.release_param.default
 REDUCE = torch.ops.dsc.reduce_grad.default

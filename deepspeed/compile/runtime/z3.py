@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 class Counters:
     allgather_bytes: int = 0
     reduce_scatter_bytes: int = 0
-    gathers: int = 0
+    gathers: int = 0  # parameters gathered by the graphs
+    allgather_collectives: int = 0  # collectives that gathered them (fewer when coalesced)
     reduces: int = 0
     eager_gathers: int = 0  # parameters gathered on access by code outside the compiled graphs
     live_gathered_bytes: int = 0
@@ -74,6 +75,8 @@ class Z3Runtime:
         self.free_on_release = free_on_release
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else None
         self.bucket_numel = int(engine.zero_reduce_bucket_size())
+        # adjacent gathers of a graph go out as one collective of at most this many elements (0: never coalesce)
+        self.gather_bucket_numel = int(engine.zero_prefetch_bucket_size())
         # the columns one reduce of every trained parameter needs: no bucket is ever wider
         self._grad_columns = sum(p.partition_numel() for p in self.params.values() if p.requires_grad)
         native = load_native(native_op)
@@ -134,9 +137,42 @@ class Z3Runtime:
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
         flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.timeout)
         self.counters.gather_seconds += time.perf_counter() - start
+        self.counters.allgather_collectives += 1
+        return self._add_gathered(param, dtype, flat, refs=1)
+
+    def prefetch(self, ds_ids: List[int], dtype: Optional[torch.dtype]) -> None:
+        """One all-gather for several parameters: each rank sends its shards back to back (cast first), and each
+        parameter is copied out of the gathered rows into a buffer of its own, so each is released on its own.
+        They wait, unclaimed, for their own ``gather`` op (the next few ops of the same graph)."""
+        groups: Dict[torch.dtype, List[Parameter]] = {}
+        for ds_id in ds_ids:
+            param = self.params[ds_id]
+            member_dtype = dtype or param.ds_tensor.dtype
+            if (ds_id, member_dtype) not in self._gathered:
+                groups.setdefault(member_dtype, []).append(param)
+        for member_dtype, members in groups.items():
+            if len(members) > 1:
+                self._gather_coalesced(members, member_dtype)
+
+    def _gather_coalesced(self, members: List[Parameter], dtype: torch.dtype) -> None:
+        start = time.perf_counter()
+        widths = [p.ds_tensor.numel() for p in members]
+        send = torch.cat([p.ds_tensor.reshape(-1).to(dtype) for p in members])  # the cast, before sending
+        recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
+        self._wait(dist.all_gather_into_tensor(recv.view(-1), send, group=self.group, async_op=True))
+        c = self.counters
+        c.gather_seconds += time.perf_counter() - start
+        c.allgather_collectives += 1
+        offset = 0
+        for param, width in zip(members, widths):
+            flat = recv[:, offset:offset + width].reshape(-1)  # rows -> one contiguous buffer (a copy)
+            offset += width
+            self._add_gathered(param, dtype, flat, refs=0)
+
+    def _add_gathered(self, param: Parameter, dtype: torch.dtype, flat: Tensor, refs: int) -> Tensor:
         full = flat.narrow(0, 0, param.ds_numel).view(param.ds_shape)
         nbytes = flat.numel() * flat.element_size()
-        self._gathered[key] = _Gathered(full, 1, nbytes)
+        self._gathered[(param.ds_id, dtype)] = _Gathered(full, refs, nbytes)
         c = self.counters
         c.gathers += 1
         c.allgather_bytes += nbytes
@@ -145,6 +181,14 @@ class Z3Runtime:
         c.peak_gathered_bytes = max(c.peak_gathered_bytes, c.live_gathered_bytes)
         self._record_live()
         return full
+
+    def _drop_unclaimed(self) -> None:
+        """Free prefetched parameters whose gather never ran (none should be left: a safety net)."""
+        for key in [k for k, e in self._gathered.items() if e.refs == 0]:
+            entry = self._gathered.pop(key)
+            if self.free_on_release:
+                entry.tensor.untyped_storage().resize_(0)
+            self.counters.live_gathered_bytes -= entry.nbytes
 
     def _add_live_bytes(self, nbytes: int) -> None:
         c = self.counters
@@ -316,6 +360,7 @@ class Z3Runtime:
             self._flush(dtype)
         # DeepSpeed's epilogue points averaged_gradients at the partitions we filled and ends the micro-step
         self._reduced.clear()
+        self._drop_unclaimed()
         self.optimizer.independent_gradient_partition_epilogue()
         self.eager.release()
         standins.uninstall(self.params.values())
