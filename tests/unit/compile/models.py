@@ -122,7 +122,8 @@ OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": Tr
 
 def ds_config(stage: int = 3, compile_section: Optional[Dict[str, Any]] = None, dtype: str = "fp32",
               grad_accum: int = 1, batch: int = 4, persistence_threshold: int = 0, optimizer: str = "adamw",
-              gradient_clipping: float = 0.0, fp16_initial_scale_power: int = 16) -> Dict[str, Any]:
+              gradient_clipping: float = 0.0, fp16_initial_scale_power: int = 16,
+              fp16_auto_cast: bool = False) -> Dict[str, Any]:
     """One ZeRO config for every test; bucket sizes fit the tiny models (DeepSpeed's defaults would
     pre-allocate gigabytes)."""
     config: Dict[str, Any] = {
@@ -142,7 +143,7 @@ def ds_config(stage: int = 3, compile_section: Optional[Dict[str, Any]] = None, 
     elif dtype == "autocast":
         config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     elif dtype == "fp16":  # dynamic loss scaling: halve the scale at every overflow (hysteresis 1)
-        config["fp16"] = {"enabled": True, "auto_cast": True, "loss_scale": 0,  # auto_cast: fp32 inputs to fp16
+        config["fp16"] = {"enabled": True, "auto_cast": fp16_auto_cast, "loss_scale": 0,
                           "initial_scale_power": fp16_initial_scale_power, "loss_scale_window": 1000,
                           "hysteresis": 1, "min_loss_scale": 1}
     elif dtype != "fp32":

@@ -1,0 +1,254 @@
+"""Set-ups users run, each against eager ZeRO-3 on the same data in the same ranks (gloo, eager backend).
+
+fp32 and fp16 cases do eager ZeRO-3's arithmetic in its order, so losses, gradients (after every backward of the
+first steps), global gradient norms, parameters and buffers are compared bitwise (see test_pipeline.py); so is
+everything about fp16 loss scaling (which step overflows and is skipped, the scale after each step, parameters left
+untouched by the skipped step). The exception is world size 4, where gloo's summation order differs (see there).
+"""
+import math
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+
+# ----- evaluation between training steps -----------------------------------------------------------------------
+def _eval_between_steps(compile_section):
+    """Train 4 steps; after steps 1 and 3, engine.eval() and a no_grad forward on a held-out batch, then train."""
+    import torch.distributed as dist
+    from compare import buffers, full_grads, full_params
+    from models import ds_config, make_batch
+    from training import make_engine
+    torch._dynamo.reset()
+    engine = make_engine("buffers", ds_config(3, compile_section))
+    if compile_section:
+        engine.compile(backend="eager")
+    runtime = getattr(engine, "_deepspeed_compile_runtime", None)
+    rank = dist.get_rank()
+    out = {"losses": [], "eval_losses": [], "grads": [], "eval_gathers": [], "live_after_eval": [],
+           "buffers_around_eval": []}
+    for step in range(4):
+        loss = engine(*make_batch("buffers", step, rank))
+        engine.backward(loss)
+        out["grads"].append(full_grads(engine))
+        engine.step()
+        out["losses"].append(loss.item())
+        if step in (1, 3):
+            before = buffers(engine)
+            gathers = runtime.counters.gathers if runtime else 0
+            engine.eval()
+            with torch.no_grad():
+                out["eval_losses"].append(engine(*make_batch("buffers", 999, rank)).item())
+            engine.train()
+            out["buffers_around_eval"].append((before, buffers(engine)))
+            if runtime:
+                out["eval_gathers"].append(runtime.counters.gathers - gathers)
+                out["live_after_eval"].append(runtime.counters.live_gathered_bytes)
+    out.update(params=full_params(engine), buffers=buffers(engine), training=engine.module.training,
+               active=engine.is_deepcompile_active())
+    engine.destroy()
+    return out
+
+
+def _eval_pair():
+    return _eval_between_steps(None), _eval_between_steps({"deepcompile": True})
+
+
+def test_eval_between_training_steps_matches_eager_zero3():
+    from compare import unequal
+    for eager, compiled in run_distributed(_eval_pair):
+        assert compiled["active"] and compiled["training"]
+        assert compiled["eval_gathers"][0] > 0 and compiled["live_after_eval"] == [0, 0], compiled
+        assert compiled["losses"] == eager["losses"]
+        assert compiled["eval_losses"] == eager["eval_losses"]
+        # the eval forward used the running statistics and left them alone
+        for before, after in compiled["buffers_around_eval"]:
+            assert not unequal(before, after)
+        for i, (g, eg) in enumerate(zip(compiled["grads"], eager["grads"])):
+            assert not unequal(g, eg), f"step {i}: gradients differ for {unequal(g, eg)}"
+        assert not unequal(compiled["params"], eager["params"])
+        assert not unequal(compiled["buffers"], eager["buffers"])
+        assert all(math.isfinite(x) for x in compiled["eval_losses"])
+
+
+# ----- buffers and a parameter registered in two modules ------------------------------------------------------
+def _buffers_pair():
+    from compare import run_pair
+    return run_pair("buffers", 6, optimizer="sgd", grad_steps=2)
+
+
+def test_buffers_and_shared_parameter_match_eager_zero3():
+    from compare import assert_bitwise_equal, loss_fell
+    from models import make_model
+    model = make_model("buffers")
+    assert model.enc.weight is model.dec.weight
+    names = {name for name, _ in model.named_parameters()}
+    for r in run_distributed(_buffers_pair):
+        assert r["active"] and r["live_after_step"] == [0] * 6
+        assert_bitwise_equal(r)
+        assert set(r["params"]) == names and "dec.weight" not in names  # one parameter, one gradient
+        # forward wrote the running statistics (compared bitwise above), and the constant mask is intact
+        assert not torch.equal(r["buffers"]["norm.running_mean"], torch.zeros(16))
+        assert r["buffers"]["norm.num_batches_tracked"].item() == 6
+        assert torch.equal(r["buffers"]["mask"], model.mask)
+        assert loss_fell(r["losses"], by=0.05), r["losses"]
+
+
+# ----- gradient clipping ------------------------------------------------------------------------------------------
+CLIP = 0.05
+
+
+def _clipping_pair():
+    from compare import run_pair
+    return run_pair("gpt", 5, optimizer="sgd", grad_steps=2, gradient_clipping=CLIP)
+
+
+def test_gradient_clipping_matches_eager_zero3():
+    # SGD: a clipped step moves the parameters by lr * CLIP * g / ||g||, so the clip scale shows in them
+    from compare import assert_bitwise_equal
+    for r in run_distributed(_clipping_pair):
+        assert r["active"]
+        assert_bitwise_equal(r)  # global gradient norms included
+        assert all(norm > 2 * CLIP for norm in r["grad_norms"]), ("clipping was not active", r["grad_norms"])
+
+
+# ----- world size 4 -----------------------------------------------------------------------------------------------
+WORLD4_TOL = 1e-6
+
+
+def _world4_pairs():
+    import torch.distributed as dist
+    from compare import run_pair
+    return dist.get_world_size(), {model: run_pair(model, 3, optimizer="sgd", grad_steps=2) for model in ("mlp", "gpt")}
+
+
+def test_world_size_4_matches_eager_zero3():
+    """Not bitwise: with 4 ranks the reduce-scatter adds 4 contributions per element, and gloo's order of addition
+    depends on where the element sits in the flat bucket. The compiled graph's buckets (filled in backward-graph
+    order) are laid out differently from eager ZeRO-3's, so a gradient may differ by the rounding of a re-associated
+    4-term sum: at most 3 * 2^-24 relative to the sum of the terms' magnitudes per element; norm-wise 1e-6 relative
+    is allowed (measured: 8e-9 on the MLP's fc1/head weights, bitwise on the GPT). With 2 ranks a + b == b + a and
+    everything is bitwise equal (test_pipeline.py). SGD, so parameters carry the gradients' scale."""
+    from compare import max_rel_diff, rel_diffs, unequal
+    results = run_distributed(_world4_pairs, world_size=4, timeout_s=400)
+    assert len(results) == 4
+    for world_size, pairs in results:
+        assert world_size == 4
+        for model, r in pairs.items():
+            assert r["active"] and r["live_after_step"] == [0] * 3, model
+            worst = {"loss": max_rel_diff(r["eager_losses"], r["losses"]),
+                     "grad_norm": max_rel_diff(r["eager_grad_norms"], r["grad_norms"]),
+                     "params": max(rel_diffs(r["params"], r["eager_params"]).values())}
+            for i, (g, eg) in enumerate(zip(r["grads"], r["eager_grads"])):
+                worst[f"grad{i}"] = max(rel_diffs(g, eg).values())
+            print(model, worst, "not bitwise:", unequal(r["params"], r["eager_params"]))
+            assert all(v <= WORLD4_TOL for v in worst.values()), (model, worst)
+
+
+# ----- fp16 with dynamic loss scaling ----------------------------------------------------------------------------
+FP16_STEPS = 5
+OVERFLOW_STEP = 2  # its targets are 3e4: the loss gradient, times the loss scale, overflows fp16
+
+
+def _allow_fp16_on_cpu():
+    """DeepSpeed refuses fp16 on a CPU without AVX512-FP16 (``is_fp16_supported`` asks oneDNN), though torch runs
+    fp16 on any CPU. Both engines run under the same override: the comparison stays like for like."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+        accelerator.is_fp16_supported = lambda: True
+
+
+def _fp16_run(compile_section):
+    import torch.distributed as dist
+    from compare import full_grads, full_params, unequal
+    from models import ds_config, make_batch
+    from training import make_engine
+    _allow_fp16_on_cpu()
+    torch._dynamo.reset()
+    engine = make_engine("mlp", ds_config(3, compile_section, "fp16", optimizer="sgd", fp16_initial_scale_power=8))
+    if compile_section:
+        engine.compile(backend="eager")
+    rank = dist.get_rank()
+    out = {"losses": [], "skipped": [], "scale": [], "grads": [], "params_moved": []}
+    for step in range(FP16_STEPS):
+        x, y = (t.half() for t in make_batch("mlp", step, rank))  # fp16 inputs (fp16.auto_cast: see below)
+        if step == OVERFLOW_STEP:
+            y = torch.full_like(y, 3e4)
+        before = full_params(engine)
+        out["scale_before"] = out.get("scale_before", engine.optimizer.loss_scale)
+        loss = engine(x, y)
+        engine.backward(loss)
+        if step == 0:
+            out["grads"].append(full_grads(engine))
+        engine.step()
+        out["losses"].append(loss.item())
+        out["skipped"].append(engine.skipped_steps)
+        out["scale"].append(engine.optimizer.loss_scale)
+        out["params_moved"].append(len(unequal(before, full_params(engine))))
+    out.update(params=full_params(engine), active=engine.is_deepcompile_active())
+    engine.destroy()
+    return out
+
+
+def _fp16_pair():
+    from compare import run_eager
+    fp32 = run_eager("mlp", 1, optimizer="sgd")  # the fp32 gradient at step 0, from the same start
+    return _fp16_run(None), _fp16_run({"deepcompile": True}), fp32["eager_grads"][0]
+
+
+def test_fp16_dynamic_loss_scaling_matches_eager_zero3():
+    from compare import rel_diffs, unequal
+    for eager, compiled, fp32_grads in run_distributed(_fp16_pair):
+        assert compiled["active"]
+        # loss scaling: the same overflow, skipped, the scale halved once, the skipped step left every parameter
+        assert compiled["skipped"] == eager["skipped"] == [0] * OVERFLOW_STEP + [1] * (FP16_STEPS - OVERFLOW_STEP)
+        assert compiled["scale"] == eager["scale"]
+        assert compiled["scale"][OVERFLOW_STEP] == compiled["scale"][0] / 2
+        moved = [len(compiled["params"])] * FP16_STEPS
+        moved[OVERFLOW_STEP] = 0
+        assert compiled["params_moved"] == eager["params_moved"] == moved
+        assert math.isinf(compiled["losses"][OVERFLOW_STEP])
+        # the numbers: bitwise (fp16 gradients are compared as the optimizer holds them, times the loss scale)
+        assert compiled["losses"] == eager["losses"]
+        assert not unequal(compiled["grads"][0], eager["grads"][0])
+        assert not unequal(compiled["params"], eager["params"])
+        # and they are fp16 numbers, not fp32 ones: the unscaled gradient is off the fp32 one by fp16 rounding
+        unscaled = {k: v / eager["scale_before"] for k, v in compiled["grads"][0].items()}
+        assert 0 < max(rel_diffs(unscaled, fp32_grads).values()) < 0.01
+
+
+class DtypeMismatch(Exception):
+    """The known failure of the test below (and only that one) is its expected failure."""
+
+
+def _fp16_auto_cast():
+    """fp16 with ``auto_cast``: the engine casts fp32 inputs to fp16 (in eager ZeRO-3, its forward pre-hook)."""
+    import torch.distributed as dist
+    from models import ds_config, make_batch
+    from training import make_engine
+    _allow_fp16_on_cpu()
+    engine = make_engine("mlp", ds_config(3, {"deepcompile": True}, "fp16", fp16_auto_cast=True))
+    engine.compile(backend="eager")
+    loss = engine(*make_batch("mlp", 0, dist.get_rank()))  # fp32 inputs
+    engine.backward(loss)
+    engine.step()
+    return loss.dtype, engine.is_deepcompile_active()
+
+
+@pytest.mark.xfail(strict=True, raises=DtypeMismatch, reason=(
+    "fp16.auto_cast is ignored under DeepCompile: DeepSpeed's engine casts inputs to fp16 in its module forward "
+    "pre-hook (_forward_prologue -> _cast_inputs_half) and removes that hook in _set_deepcompile_active(True); "
+    "deepspeed.compile does not cast them itself, so the compiled graph gets fp32 inputs and fp16 weights and "
+    "aten.addmm raises 'mat1 and mat2 must have the same dtype, but got Float and Half'"))
+def test_fp16_auto_cast_casts_inputs_under_deepcompile():
+    from distributed import RankFailure
+    try:
+        results = run_distributed(_fp16_auto_cast)
+    except RankFailure as failure:
+        if "mat1 and mat2 must have the same dtype, but got Float and Half" in str(failure):
+            raise DtypeMismatch(str(failure)) from None
+        raise
+    for dtype, active in results:
+        assert active and dtype == torch.float16
