@@ -182,6 +182,6 @@ def test_harness_kills_ranks_when_interrupted(tmp_path):
 
 def test_harness_timeouts_fit_under_pytest_timeout():
     import distributed
-    assert distributed.PYTEST_TIMEOUT_S == 600
+    assert distributed.MAX_TIMEOUT_S < distributed.PYTEST_TIMEOUT_S
     with pytest.raises(ValueError, match="timeout_s"):
         run_distributed(_hang_in_collective, timeout_s=distributed.PYTEST_TIMEOUT_S)
