@@ -66,8 +66,9 @@ class GraphCompiler:
                                                                    collective_order="first_use")))
         passes.append(("pin_gathers", rewrite.pin_gathers_pass))
         if self.runtime.gather_bucket_numel > 0:
-            passes.append(("coalesce_gathers", functools.partial(rewrite.coalesce_gathers_pass, runtime_id=rid,
-                                                                 bucket_numel=self.runtime.gather_bucket_numel)))
+            passes.append(("coalesce_gathers", functools.partial(rewrite.coalesce_gathers_pass,
+                                                                 bucket_numel=self.runtime.gather_bucket_numel,
+                                                                 add_plan=self.runtime.add_coalesce_plan)))
         return passes
 
     def compile_forward(self, gm: GraphModule, example_inputs):

@@ -11,12 +11,12 @@
 - :func:`insert_reduces_pass` (backward) reduce-scatters each parameter gradient where it is produced and
   returns ``None`` in its place, so autograd never accumulates a full-size gradient.
 """
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ..runtime.ops import GATHER, PREFETCH, RELEASE, REDUCE
+from ..runtime.ops import GATHER, RELEASE, REDUCE
 from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, is_reduce, is_release,
                     output_args, placeholders, reader_outputs, size_hint)
 
@@ -35,7 +35,7 @@ def insert_gathers_pass(gm: GraphModule, *, runtime_id: int, gathered_ds_ids: Di
             continue
         node.meta[META_DS_ID] = ds_id
         with graph.inserting_after(node):
-            gathered = graph.call_function(GATHER, (node, runtime_id, ds_id, None, []))
+            gathered = graph.call_function(GATHER, (node, runtime_id, ds_id, None, [], 0))
         node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered and user.op != "output")
         gathered.meta[META_DS_ID] = ds_id
     return gm
@@ -59,7 +59,8 @@ def fold_downcasts_pass(gm: GraphModule) -> GraphModule:
         if len(dtypes) != 1 or None in dtypes:
             continue
         dtype = dtypes.pop()
-        node.args = (*node.args[:3], dtype, node.args[4] if len(node.args) > 4 else node.kwargs.get("after", []))
+        node.args = (*node.args[:3], dtype, _after(node), _coalesce(node))
+        node.kwargs = {}
         node.kwargs = {}
         _set_val(node)
         for cast in list(node.users):
@@ -99,7 +100,7 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
     for node in gm.graph.nodes:
         if is_gather(node):
             if previous is not None:
-                node.args = (*node.args[:4], [previous])
+                node.args = (*node.args[:4], [previous], _coalesce(node))
                 node.kwargs = {}
         elif (node.op == "call_function" and not is_release(node) and not is_reduce(node)
               and isinstance(node.meta.get("val"), torch.Tensor)):
@@ -107,11 +108,12 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
     return gm
 
 
-def coalesce_gathers_pass(gm: GraphModule, *, runtime_id: int, bucket_numel: int) -> GraphModule:
+def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int,
+                          add_plan: Callable[[List[int]], int]) -> GraphModule:
     """Gathers the schedule placed next to each other (nothing but releases between them) go out as one
-    collective, up to ``bucket_numel`` elements: a ``prefetch_params`` op before the run gathers them all, and each
-    gather, which now also waits for its token, finds its parameter there. The schedule's memory plan is unchanged:
-    adjacent gathers were live together anyway. Gathers of different dtypes form separate runs."""
+    collective, up to ``bucket_numel`` elements: the first gather of such a run also gathers the others (the
+    plan ``add_plan`` registers with the runtime), which then find their parameter gathered. The schedule's memory plan is unchanged: adjacent
+    gathers were live together anyway. Gathers of different dtypes form separate runs."""
     runs: List[List[Node]] = []
     run: List[Node] = []
     numel = 0
@@ -128,20 +130,18 @@ def coalesce_gathers_pass(gm: GraphModule, *, runtime_id: int, bucket_numel: int
             run, numel = [], 0
     runs.append(run)
     for run in (r for r in runs if len(r) > 1):
-        members = set(run)
-        after = list(dict.fromkeys(a for g in run for a in _after(g) if a not in members))
-        with gm.graph.inserting_before(run[0]):
-            token = gm.graph.call_function(PREFETCH, (runtime_id, [g.args[2] for g in run], gather_dtype(run[0]),
-                                                      after))
-        token.meta["val"] = torch.empty(0)
-        for gather in run:
-            gather.args = (*gather.args[:4], [*_after(gather), token])
-            gather.kwargs = {}
+        first = run[0]
+        first.args = (*first.args[:4], _after(first), add_plan([g.args[2] for g in run[1:]]))
+        first.kwargs = {}
     return gm
 
 
 def _after(gather: Node) -> List[Node]:
     return list(gather.args[4] if len(gather.args) > 4 else gather.kwargs.get("after", []))
+
+
+def _coalesce(gather: Node) -> int:
+    return gather.args[5] if len(gather.args) > 5 else gather.kwargs.get("coalesce", 0)
 
 
 def _numel(gather: Node) -> int:

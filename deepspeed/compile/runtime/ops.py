@@ -17,17 +17,20 @@ NAMESPACE = "dsc"
 
 @torch.library.custom_op("dsc::gather_param", mutates_args=())
 def gather_param(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype],
-                 after: List[Tensor]) -> Tensor:
+                 after: List[Tensor], coalesce: int) -> Tensor:
     """All-gather parameter ``ds_id`` to its full shape, cast to ``dtype`` first (before sending) unless None.
     ``standin`` is the parameter as the graph sees it: it orders the op after the graph input. ``dtype`` has no
     default on purpose: compilers drop default arguments from nodes, and the rewrite sets it in place.
     ``after`` pins the gather after the ops that produce these tensors (the schedule's order survives any
-    backend's own reordering as a data dependency)."""
-    return registry.lookup(runtime_id).gather(ds_id, dtype)
+    backend's own reordering as a data dependency). ``coalesce``: 0, or the runtime's id of the list of parameters
+    whose gathers come right after this one; they are gathered in the same collective (each then finds its
+    parameter gathered). An id, not the list: inductor's generated code drops the contents of list arguments."""
+    return registry.lookup(runtime_id).gather(ds_id, dtype, coalesce)
 
 
 @gather_param.register_fake
-def _(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype], after: List[Tensor]) -> Tensor:
+def _(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype], after: List[Tensor],
+      coalesce: int) -> Tensor:
     return standin.new_empty(standin.shape, dtype=dtype or standin.dtype)
 
 
@@ -38,7 +41,7 @@ def _gather_setup_context(ctx, inputs, output) -> None:
 def _gather_backward(ctx, grad: Tensor):
     # The gathered tensor is the parameter itself: its gradient flows to the parameter input unchanged,
     # where the backward rewrite replaces it by an in-graph reduce-scatter.
-    return grad, None, None, None, [None] * ctx.num_after
+    return grad, None, None, None, [None] * ctx.num_after, None
 
 
 gather_param.register_autograd(_gather_backward, setup_context=_gather_setup_context)
@@ -57,20 +60,6 @@ def _(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> Non
     return None
 
 
-@torch.library.custom_op("dsc::prefetch_params", mutates_args=())
-def prefetch_params(runtime_id: int, ds_ids: List[int], dtype: Optional[torch.dtype], after: List[Tensor]) -> Tensor:
-    """All-gather parameters ``ds_ids`` (a run of gathers the schedule placed next to each other) in one
-    collective, each cast to ``dtype`` first (their own dtype when None). Each parameter's own ``gather_param``,
-    which takes the returned token in its ``after``, then finds it gathered. Returns an empty token."""
-    registry.lookup(runtime_id).prefetch(ds_ids, dtype)
-    return torch.empty(0)
-
-
-@prefetch_params.register_fake
-def _(runtime_id: int, ds_ids: List[int], dtype: Optional[torch.dtype], after: List[Tensor]) -> Tensor:
-    return torch.empty(0)
-
-
 @torch.library.custom_op("dsc::reduce_grad", mutates_args=("grad",))
 def reduce_grad(grad: Tensor, runtime_id: int, ds_id: int) -> None:
     """Queue the full gradient of parameter ``ds_id`` for a bucketed reduce-scatter into its ZeRO partition."""
@@ -83,6 +72,5 @@ def _(grad: Tensor, runtime_id: int, ds_id: int) -> None:
 
 
 GATHER = torch.ops.dsc.gather_param.default
-PREFETCH = torch.ops.dsc.prefetch_params.default
 RELEASE = torch.ops.dsc.release_param.default
 REDUCE = torch.ops.dsc.reduce_grad.default

@@ -11,7 +11,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,7 @@ class Z3Runtime:
         self.bucket_numel = int(engine.zero_reduce_bucket_size())
         # adjacent gathers of a graph go out as one collective of at most this many elements (0: never coalesce)
         self.gather_bucket_numel = int(engine.zero_prefetch_bucket_size())
+        self.coalesce_plans: List[Tuple[int, ...]] = []  # written by the compiler, read by gather ops
         # the columns one reduce of every trained parameter needs: no bucket is ever wider
         self._grad_columns = sum(p.partition_numel() for p in self.params.values() if p.requires_grad)
         native = load_native(native_op)
@@ -122,7 +123,12 @@ class Z3Runtime:
         elif not work.wait(self.timeout):
             raise TimeoutError(f"deepspeed-compile collective did not complete in {self.timeout}")
 
-    def gather(self, ds_id: int, dtype: Optional[torch.dtype]) -> Tensor:
+    def add_coalesce_plan(self, ds_ids: Sequence[int]) -> int:
+        """Register the parameters a gather op also gathers (see ``ops.gather_param``); returns the plan's id."""
+        self.coalesce_plans.append(tuple(ds_ids))
+        return len(self.coalesce_plans)
+
+    def gather(self, ds_id: int, dtype: Optional[torch.dtype], coalesce: int = 0) -> Tensor:
         param = self.params[ds_id]
         if self._forward_running:
             self.note_grad_source(param)
@@ -133,6 +139,14 @@ class Z3Runtime:
         if entry is not None:
             entry.refs += 1
             return entry.tensor
+        others = [self.params[i] for i in (self.coalesce_plans[coalesce - 1] if coalesce else ())
+                  if (i, dtype) not in self._gathered
+                  and (self.params[i].ds_tensor.dtype == dtype or dtype != shard.dtype)]
+        if others:
+            self._gather_coalesced([param, *others], dtype)
+            entry = self._gathered[key]
+            entry.refs = 1
+            return entry.tensor
         start = time.perf_counter()
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
         flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.timeout)
@@ -140,21 +154,10 @@ class Z3Runtime:
         self.counters.allgather_collectives += 1
         return self._add_gathered(param, dtype, flat, refs=1)
 
-    def prefetch(self, ds_ids: List[int], dtype: Optional[torch.dtype]) -> None:
+    def _gather_coalesced(self, members: List[Parameter], dtype: torch.dtype) -> None:
         """One all-gather for several parameters: each rank sends its shards back to back (cast first), and each
         parameter is copied out of the gathered rows into a buffer of its own, so each is released on its own.
-        They wait, unclaimed, for their own ``gather`` op (the next few ops of the same graph)."""
-        groups: Dict[torch.dtype, List[Parameter]] = {}
-        for ds_id in ds_ids:
-            param = self.params[ds_id]
-            member_dtype = dtype or param.ds_tensor.dtype
-            if (ds_id, member_dtype) not in self._gathered:
-                groups.setdefault(member_dtype, []).append(param)
-        for member_dtype, members in groups.items():
-            if len(members) > 1:
-                self._gather_coalesced(members, member_dtype)
-
-    def _gather_coalesced(self, members: List[Parameter], dtype: torch.dtype) -> None:
+        All but the first wait, unclaimed, for their own gather op (the next ops of the same graph)."""
         start = time.perf_counter()
         widths = [p.ds_tensor.numel() for p in members]
         send = torch.cat([p.ds_tensor.reshape(-1).to(dtype) for p in members])  # the cast, before sending

@@ -62,7 +62,7 @@ class _FakeRuntime:
         self.params = params
         self.calls = []
 
-    def gather(self, ds_id, dtype):
+    def gather(self, ds_id, dtype, coalesce=0):
         self.calls.append(("gather", ds_id, dtype))
         p = self.params[ds_id]
         return p.to(dtype) if dtype is not None else p.clone()
@@ -76,7 +76,7 @@ class _FakeRuntime:
 
 def _gathered_graph(runtime_id):
     def f(standin, x):
-        w = GATHER(standin, runtime_id, 3, None, [])
+        w = GATHER(standin, runtime_id, 3, None, [], 0)
         return (x.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()  # autocast's pattern: cast, then view
 
     return make_fx(f)(torch.empty(5, 4), torch.randn(2, 4))
@@ -128,7 +128,7 @@ def test_insert_reduces_returns_none_and_reduces_each_parameter_gradient():
 
 def test_saved_for_backward_splits_parameter_derived_bytes():
     def fw(standin, x):
-        w = GATHER(standin, 1, 0, None, [])
+        w = GATHER(standin, 1, 0, None, [], 0)
         wt = w.t()
         h = x @ wt
         return h.sum(), wt, h  # one user output, then two saved values: a parameter alias and an activation

@@ -39,7 +39,7 @@ class FakeRuntime:
         self.params = params
         self.log: List[tuple] = []
 
-    def gather(self, ds_id: int, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    def gather(self, ds_id: int, dtype: Optional[torch.dtype], coalesce=0) -> torch.Tensor:
         self.log.append(("gather", ds_id))
         return self.params[ds_id].detach().to(dtype or self.params[ds_id].dtype, copy=True)
 
@@ -77,7 +77,7 @@ def insert_zero3_ops(gm: GraphModule, runtime_id: int, num_params: int, backward
         if ph.target not in param_ids:
             continue
         with graph.inserting_after(anchor):
-            gather = graph.call_function(GATHER, (ph, runtime_id, param_ids[ph.target], None, []))
+            gather = graph.call_function(GATHER, (ph, runtime_id, param_ids[ph.target], None, [], 0))
         gather.meta["val"] = ph.meta["val"]
         ph.replace_all_uses_with(gather, delete_user_cb=lambda user, g=gather: user is not g and user.op != "output")
         anchor = gather
@@ -269,7 +269,7 @@ def _small_graph() -> GraphModule:
     runtime_id = registry.register(runtime)
 
     def step(standin, x):
-        w = GATHER(standin, runtime_id, 0, None, [])
+        w = GATHER(standin, runtime_id, 0, None, [], 0)
         y = x @ w.t()  # the view must not count twice
         z = torch.relu(y) @ w  # w is needed again after relu
         RELEASE(w, runtime_id, 0, [y, z])
