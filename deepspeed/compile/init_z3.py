@@ -33,6 +33,10 @@ def init_z3(engine, backend, compile_config: CompileConfig, compile_kwargs, sche
                         native_op=compile_config.native_op)
     setattr(engine, RUNTIME_ATTR, runtime)
     eager_hooks.switch_off(engine)
+    if engine.fp16_auto_cast():
+        # the engine casts inputs to fp16 in the forward pre-hook it removes while DeepCompile is active
+        runtime.input_cast_hook = engine.module.register_forward_pre_hook(
+            lambda module, args: engine._cast_inputs_half(args))
 
     def on_failure(err: BaseException) -> None:
         logger.error(f"deepspeed-compile: compiling a graph failed ({type(err).__name__}: {err}); the engine "
@@ -49,6 +53,9 @@ def deactivate(engine, uncompile: bool = False) -> None:
     from .capture import eager_hooks, standins
     runtime = getattr(engine, RUNTIME_ATTR, None)
     if runtime is not None:
+        if runtime.input_cast_hook is not None:
+            runtime.input_cast_hook.remove()
+            runtime.input_cast_hook = None
         runtime.eager.release()
         runtime.eager.remove_grad_hooks()  # eager ZeRO-3's own gradient hooks take over
         standins.uninstall(runtime.params.values())

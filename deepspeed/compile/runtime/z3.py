@@ -78,6 +78,7 @@ class Z3Runtime:
         # adjacent gathers of a graph go out as one collective of at most this many elements (0: never coalesce)
         self.gather_bucket_numel = int(engine.zero_prefetch_bucket_size())
         self.coalesce_plans: List[Tuple[int, ...]] = []  # written by the compiler, read by gather ops
+        self.input_cast_hook = None  # fp16 auto_cast: the engine's input cast, as a forward pre-hook (init_z3)
         # the columns one reduce of every trained parameter needs: no bucket is ever wider
         self._grad_columns = sum(p.partition_numel() for p in self.params.values() if p.requires_grad)
         native = load_native(native_op)

@@ -7,7 +7,6 @@ untouched by the skipped step). The exception is world size 4, where gloo's summ
 """
 import math
 
-import pytest
 import torch
 
 from distributed import run_distributed
@@ -219,10 +218,6 @@ def test_fp16_dynamic_loss_scaling_matches_eager_zero3():
         assert 0 < max(rel_diffs(unscaled, fp32_grads).values()) < 0.01
 
 
-class DtypeMismatch(Exception):
-    """The known failure of the test below (and only that one) is its expected failure."""
-
-
 def _fp16_auto_cast():
     """fp16 with ``auto_cast``: the engine casts fp32 inputs to fp16 (in eager ZeRO-3, its forward pre-hook)."""
     import torch.distributed as dist
@@ -237,18 +232,7 @@ def _fp16_auto_cast():
     return loss.dtype, engine.is_deepcompile_active()
 
 
-@pytest.mark.xfail(strict=True, raises=DtypeMismatch, reason=(
-    "fp16.auto_cast is ignored under DeepCompile: DeepSpeed's engine casts inputs to fp16 in its module forward "
-    "pre-hook (_forward_prologue -> _cast_inputs_half) and removes that hook in _set_deepcompile_active(True); "
-    "deepspeed.compile does not cast them itself, so the compiled graph gets fp32 inputs and fp16 weights and "
-    "aten.addmm raises 'mat1 and mat2 must have the same dtype, but got Float and Half'"))
 def test_fp16_auto_cast_casts_inputs_under_deepcompile():
-    from distributed import RankFailure
-    try:
-        results = run_distributed(_fp16_auto_cast)
-    except RankFailure as failure:
-        if "mat1 and mat2 must have the same dtype, but got Float and Half" in str(failure):
-            raise DtypeMismatch(str(failure)) from None
-        raise
-    for dtype, active in results:
+    """DeepSpeed's engine casts inputs in a forward pre-hook it removes under DeepCompile; init_z3 casts them."""
+    for dtype, active in run_distributed(_fp16_auto_cast):
         assert active and dtype == torch.float16
