@@ -68,7 +68,7 @@ class GraphCompiler:
         if self.runtime.gather_bucket_numel > 0:
             passes.append(("coalesce_gathers", functools.partial(rewrite.coalesce_gathers_pass,
                                                                  bucket_numel=self.runtime.gather_bucket_numel,
-                                                                 add_plan=self.runtime.add_coalesce_plan)))
+                                                                 add_plans=self.runtime.add_gather_plans)))
         return passes
 
     def compile_forward(self, gm: GraphModule, example_inputs):

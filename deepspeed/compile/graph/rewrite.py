@@ -11,7 +11,7 @@
 - :func:`insert_reduces_pass` (backward) reduce-scatters each parameter gradient where it is produced and
   returns ``None`` in its place, so autograd never accumulates a full-size gradient.
 """
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.fx import GraphModule, Node
@@ -59,7 +59,7 @@ def fold_downcasts_pass(gm: GraphModule) -> GraphModule:
         if len(dtypes) != 1 or None in dtypes:
             continue
         dtype = dtypes.pop()
-        node.args = (*node.args[:3], dtype, _after(node), _coalesce(node))
+        node.args = (*node.args[:3], dtype, _after(node), _plan(node))
         node.kwargs = {}
         node.kwargs = {}
         _set_val(node)
@@ -100,7 +100,7 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
     for node in gm.graph.nodes:
         if is_gather(node):
             if previous is not None:
-                node.args = (*node.args[:4], [previous], _coalesce(node))
+                node.args = (*node.args[:4], [previous], _plan(node))
                 node.kwargs = {}
         elif (node.op == "call_function" and not is_release(node) and not is_reduce(node)
               and isinstance(node.meta.get("val"), torch.Tensor)):
@@ -109,11 +109,13 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
 
 
 def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int,
-                          add_plan: Callable[[List[int]], int]) -> GraphModule:
-    """Gathers the schedule placed next to each other (nothing but releases between them) go out as one
-    collective, up to ``bucket_numel`` elements: the first gather of such a run also gathers the others (the
-    plan ``add_plan`` registers with the runtime), which then find their parameter gathered. The schedule's memory plan is unchanged: adjacent
-    gathers were live together anyway. Gathers of different dtypes form separate runs."""
+                          add_plans: Callable[[List[Tuple[List[int], Optional[torch.dtype]]]], List[int]]
+                          ) -> GraphModule:
+    """Gathers the schedule placed next to each other (nothing but releases between them) form a run, up to
+    ``bucket_numel`` elements, of one dtype. The runs are registered with the runtime (``add_plans``) in graph order
+    and the first gather of each carries its run's id: it gathers the whole run in one collective, waiting only for
+    what is not already in flight, and starts the next run's collective asynchronously, so one run is always in
+    flight ahead of use (at most ``bucket_numel`` elements more than the schedule's memory plan)."""
     runs: List[List[Node]] = []
     run: List[Node] = []
     numel = 0
@@ -129,9 +131,11 @@ def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int,
             runs.append(run)
             run, numel = [], 0
     runs.append(run)
-    for run in (r for r in runs if len(r) > 1):
+    runs = [r for r in runs if r]
+    plan_ids = add_plans([([g.args[2] for g in r], gather_dtype(r[0])) for r in runs])
+    for run, plan_id in zip(runs, plan_ids):
         first = run[0]
-        first.args = (*first.args[:4], _after(first), add_plan([g.args[2] for g in run[1:]]))
+        first.args = (*first.args[:4], _after(first), plan_id)
         first.kwargs = {}
     return gm
 
@@ -140,8 +144,8 @@ def _after(gather: Node) -> List[Node]:
     return list(gather.args[4] if len(gather.args) > 4 else gather.kwargs.get("after", []))
 
 
-def _coalesce(gather: Node) -> int:
-    return gather.args[5] if len(gather.args) > 5 else gather.kwargs.get("coalesce", 0)
+def _plan(gather: Node) -> int:
+    return gather.args[5] if len(gather.args) > 5 else gather.kwargs.get("plan", 0)
 
 
 def _numel(gather: Node) -> int:

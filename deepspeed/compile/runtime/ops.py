@@ -17,20 +17,21 @@ NAMESPACE = "dsc"
 
 @torch.library.custom_op("dsc::gather_param", mutates_args=())
 def gather_param(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype],
-                 after: List[Tensor], coalesce: int) -> Tensor:
+                 after: List[Tensor], plan: int) -> Tensor:
     """All-gather parameter ``ds_id`` to its full shape, cast to ``dtype`` first (before sending) unless None.
     ``standin`` is the parameter as the graph sees it: it orders the op after the graph input. ``dtype`` has no
     default on purpose: compilers drop default arguments from nodes, and the rewrite sets it in place.
     ``after`` pins the gather after the ops that produce these tensors (the schedule's order survives any
-    backend's own reordering as a data dependency). ``coalesce``: 0, or the runtime's id of the list of parameters
-    whose gathers come right after this one; they are gathered in the same collective (each then finds its
-    parameter gathered). An id, not the list: inductor's generated code drops the contents of list arguments."""
-    return registry.lookup(runtime_id).gather(ds_id, dtype, coalesce)
+    backend's own reordering as a data dependency). ``plan``: 0, or the runtime's id of the run of gathers this
+    one starts (``coalesce_gathers_pass``): the run is gathered in one collective and the next run's collective is
+    started ahead. An id, not a list of parameters: inductor's generated code drops the contents of list
+    arguments."""
+    return registry.lookup(runtime_id).gather(ds_id, dtype, plan)
 
 
 @gather_param.register_fake
 def _(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype], after: List[Tensor],
-      coalesce: int) -> Tensor:
+      plan: int) -> Tensor:
     return standin.new_empty(standin.shape, dtype=dtype or standin.dtype)
 
 

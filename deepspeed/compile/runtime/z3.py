@@ -56,6 +56,22 @@ class _Bucket:
     used: int = 0
 
 
+@dataclass
+class _Plan:
+    ds_ids: Tuple[int, ...]  # a run of gathers the schedule placed next to each other: one collective
+    dtype: Optional[torch.dtype]  # their gather dtype (None: each parameter's own)
+    next: int  # the following run of the same graph (0: none), started when this one is waited for
+
+
+@dataclass
+class _Started:
+    work: object
+    send: Tensor  # kept alive until the collective is done
+    recv: Tensor
+    members: List[Parameter]
+    dtype: torch.dtype
+
+
 class Z3Runtime:
 
     def __init__(self, engine, *, timeout_s: float = 0.0, free_on_release: bool = True, native_op: str = "auto"):
@@ -77,7 +93,8 @@ class Z3Runtime:
         self.bucket_numel = int(engine.zero_reduce_bucket_size())
         # adjacent gathers of a graph go out as one collective of at most this many elements (0: never coalesce)
         self.gather_bucket_numel = int(engine.zero_prefetch_bucket_size())
-        self.coalesce_plans: List[Tuple[int, ...]] = []  # written by the compiler, read by gather ops
+        self.gather_plans: List[_Plan] = []  # gather runs, written by the compiler, read by the gather ops
+        self._inflight: Dict[int, List[_Started]] = {}  # plan id -> its all-gathers started ahead
         self.input_cast_hook = None  # fp16 auto_cast: the engine's input cast, as a forward pre-hook (init_z3)
         # the columns one reduce of every trained parameter needs: no bucket is ever wider
         self._grad_columns = sum(p.partition_numel() for p in self.params.values() if p.requires_grad)
@@ -124,29 +141,27 @@ class Z3Runtime:
         elif not work.wait(self.timeout):
             raise TimeoutError(f"deepspeed-compile collective did not complete in {self.timeout}")
 
-    def add_coalesce_plan(self, ds_ids: Sequence[int]) -> int:
-        """Register the parameters a gather op also gathers (see ``ops.gather_param``); returns the plan's id."""
-        self.coalesce_plans.append(tuple(ds_ids))
-        return len(self.coalesce_plans)
+    def add_gather_plans(self, runs: Sequence[Tuple[Sequence[int], Optional[torch.dtype]]]) -> List[int]:
+        """Register the gather runs of one graph, in order (see ``ops.gather_param``); returns their ids. Each
+        run's collective also starts the next run's, asynchronously: one run is in flight ahead of use."""
+        first = len(self.gather_plans) + 1
+        for i, (ds_ids, dtype) in enumerate(runs):
+            following = first + i + 1 if i + 1 < len(runs) else 0
+            self.gather_plans.append(_Plan(tuple(ds_ids), dtype, following))
+        return list(range(first, first + len(runs)))
 
-    def gather(self, ds_id: int, dtype: Optional[torch.dtype], coalesce: int = 0) -> Tensor:
+    def gather(self, ds_id: int, dtype: Optional[torch.dtype], plan: int = 0) -> Tensor:
         param = self.params[ds_id]
         if self._forward_running:
             self.note_grad_source(param)
+        if plan:
+            self._run_plan(plan)
         shard = param.ds_tensor
         dtype = dtype or shard.dtype
         key = (ds_id, dtype)
         entry = self._gathered.get(key)
         if entry is not None:
             entry.refs += 1
-            return entry.tensor
-        others = [self.params[i] for i in (self.coalesce_plans[coalesce - 1] if coalesce else ())
-                  if (i, dtype) not in self._gathered
-                  and (self.params[i].ds_tensor.dtype == dtype or dtype != shard.dtype)]
-        if others:
-            self._gather_coalesced([param, *others], dtype)
-            entry = self._gathered[key]
-            entry.refs = 1
             return entry.tensor
         start = time.perf_counter()
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
@@ -155,23 +170,53 @@ class Z3Runtime:
         self.counters.allgather_collectives += 1
         return self._add_gathered(param, dtype, flat, refs=1)
 
-    def _gather_coalesced(self, members: List[Parameter], dtype: torch.dtype) -> None:
-        """One all-gather for several parameters: each rank sends its shards back to back (cast first), and each
-        parameter is copied out of the gathered rows into a buffer of its own, so each is released on its own.
-        All but the first wait, unclaimed, for their own gather op (the next ops of the same graph)."""
-        start = time.perf_counter()
-        widths = [p.ds_tensor.numel() for p in members]
+    def _run_plan(self, plan_id: int) -> None:
+        """This run's parameters gathered (waiting for the collective started ahead, or one coalesced collective
+        now), then the next run's collective started without waiting."""
+        plan = self.gather_plans[plan_id - 1]
+        inflight = self._inflight.pop(plan_id, None)
+        if inflight is not None:
+            for started in inflight:
+                self._finish_coalesced(started)
+        else:
+            for dtype, members in self._missing(plan).items():
+                if len(members) > 1:  # a lone parameter takes the gather op's own (possibly native) path
+                    self._finish_coalesced(self._start_coalesced(members, dtype))
+        if plan.next and plan.next not in self._inflight:
+            following = self._missing(self.gather_plans[plan.next - 1])
+            self._inflight[plan.next] = [self._start_coalesced(m, d) for d, m in following.items()]
+
+    def _missing(self, plan: "_Plan") -> Dict[torch.dtype, List[Parameter]]:
+        """The plan's parameters not gathered yet, by the dtype they are gathered in."""
+        groups: Dict[torch.dtype, List[Parameter]] = {}
+        for ds_id in plan.ds_ids:
+            param = self.params[ds_id]
+            dtype = plan.dtype or param.ds_tensor.dtype
+            if (ds_id, dtype) not in self._gathered:
+                groups.setdefault(dtype, []).append(param)
+        return groups
+
+    def _start_coalesced(self, members: List[Parameter], dtype: torch.dtype) -> "_Started":
+        """One all-gather for several parameters, started: each rank sends its shards back to back (cast first)."""
         send = torch.cat([p.ds_tensor.reshape(-1).to(dtype) for p in members])  # the cast, before sending
         recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
-        self._wait(dist.all_gather_into_tensor(recv.view(-1), send, group=self.group, async_op=True))
-        c = self.counters
-        c.gather_seconds += time.perf_counter() - start
-        c.allgather_collectives += 1
+        work = dist.all_gather_into_tensor(recv.view(-1), send, group=self.group, async_op=True)
+        self.counters.allgather_collectives += 1
+        return _Started(work, send, recv, members, dtype)
+
+    def _finish_coalesced(self, started: "_Started") -> None:
+        """Wait for a started all-gather (the exposed part of its time is counted), then copy each parameter out
+        of the gathered rows into a buffer of its own, so each is released on its own. They wait, unclaimed, for
+        their own gather op."""
+        start = time.perf_counter()
+        self._wait(started.work)
+        self.counters.gather_seconds += time.perf_counter() - start
         offset = 0
-        for param, width in zip(members, widths):
-            flat = recv[:, offset:offset + width].reshape(-1)  # rows -> one contiguous buffer (a copy)
+        for param in started.members:
+            width = param.ds_tensor.numel()
+            flat = started.recv[:, offset:offset + width].reshape(-1)  # rows -> one contiguous buffer (a copy)
             offset += width
-            self._add_gathered(param, dtype, flat, refs=0)
+            self._add_gathered(param, started.dtype, flat, refs=0)
 
     def _add_gathered(self, param: Parameter, dtype: torch.dtype, flat: Tensor, refs: int) -> Tensor:
         full = flat.narrow(0, 0, param.ds_numel).view(param.ds_shape)
@@ -188,6 +233,10 @@ class Z3Runtime:
 
     def _drop_unclaimed(self) -> None:
         """Free prefetched parameters whose gather never ran (none should be left: a safety net)."""
+        for inflight in self._inflight.values():
+            for started in inflight:
+                self._finish_coalesced(started)
+        self._inflight.clear()
         for key in [k for k, e in self._gathered.items() if e.refs == 0]:
             entry = self._gathered.pop(key)
             if self.free_on_release:

@@ -62,7 +62,7 @@ class _FakeRuntime:
         self.params = params
         self.calls = []
 
-    def gather(self, ds_id, dtype, coalesce=0):
+    def gather(self, ds_id, dtype, plan=0):
         self.calls.append(("gather", ds_id, dtype))
         p = self.params[ds_id]
         return p.to(dtype) if dtype is not None else p.clone()

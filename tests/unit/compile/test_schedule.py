@@ -39,7 +39,7 @@ class FakeRuntime:
         self.params = params
         self.log: List[tuple] = []
 
-    def gather(self, ds_id: int, dtype: Optional[torch.dtype], coalesce=0) -> torch.Tensor:
+    def gather(self, ds_id: int, dtype: Optional[torch.dtype], plan=0) -> torch.Tensor:
         self.log.append(("gather", ds_id))
         return self.params[ds_id].detach().to(dtype or self.params[ds_id].dtype, copy=True)
 
