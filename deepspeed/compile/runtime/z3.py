@@ -39,7 +39,9 @@ class Counters:
     live_gathered_bytes: int = 0
     peak_gathered_bytes: int = 0
     allgather_bytes_by_dtype: Dict[str, int] = field(default_factory=dict)
-    gather_seconds: float = 0.0
+    gather_seconds: float = 0.0  # time spent waiting for all-gathers (exposed communication)
+    reduce_collectives: int = 0
+    reduce_wait_seconds: float = 0.0  # time spent waiting for reduce-scatters started earlier
 
 
 @dataclass
@@ -70,6 +72,14 @@ class _Started:
     recv: Tensor
     members: List[Parameter]
     dtype: torch.dtype
+
+
+@dataclass
+class _PendingReduce:
+    work: object
+    buffer: Tensor  # the bucket buffer it sends from: not reused until the collective is done
+    recv: Tensor
+    items: List[Tuple[Parameter, int]]
 
 
 class Z3Runtime:
@@ -111,7 +121,8 @@ class Z3Runtime:
         self.gathered_timeline: Optional[List[Tuple[float, int]]] = None
         self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
         self._buckets: Dict[torch.dtype, _Bucket] = {}
-        self._bucket_buffers: Dict[torch.dtype, Tensor] = {}
+        self._bucket_buffers: Dict[torch.dtype, List[Tensor]] = {}
+        self._pending_reduces: List[_PendingReduce] = []  # started reduce-scatters, oldest first
         self._backward_pending = False
         self._reduced: set = set()  # ds_ids whose gradient reached the optimizer in this backward
         self._forward_running = False
@@ -331,9 +342,14 @@ class Z3Runtime:
         columns = min(self.bucket_numel // self.world_size, self._grad_columns)
         if width > columns:
             return torch.empty(self.world_size, width, dtype=dtype, device=device)
-        buffer = self._bucket_buffers.get(dtype)
-        if buffer is None or buffer.device != device:
-            buffer = self._bucket_buffers[dtype] = torch.empty(self.world_size, columns, dtype=dtype, device=device)
+        busy = {id(pending.buffer) for pending in self._pending_reduces}
+        buffers = self._bucket_buffers.setdefault(dtype, [])
+        for buffer in buffers:
+            if id(buffer) not in busy and buffer.device == device:
+                return buffer
+        # the other one is still being reduce-scattered: a second buffer (never more: one flush is in flight)
+        buffer = torch.empty(self.world_size, columns, dtype=dtype, device=device)
+        buffers.append(buffer)
         return buffer
 
     def _compact(self, bucket: _Bucket) -> Tensor:
@@ -347,17 +363,32 @@ class Z3Runtime:
         return flat[:self.world_size * used]
 
     def _flush(self, dtype: torch.dtype) -> None:
+        """Start the bucket's reduce-scatter without waiting: it runs while backward goes on, and is finished
+        (its partitions handed to the optimizer) at the next flush or at the end of backward."""
         bucket = self._buckets.pop(dtype, None)
         if bucket is None or not bucket.items:
             return
+        self._finish_reduces()
         send = self._compact(bucket)
         send.div_(self.world_size)  # gloo has no AVG: pre-divide, then SUM (as eager ZeRO-3 does)
         recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
-        self._wait(dist.reduce_scatter_tensor(recv, send.view(-1), group=self.group, async_op=True))
+        work = dist.reduce_scatter_tensor(recv, send.view(-1), group=self.group, async_op=True)
         self.counters.reduce_scatter_bytes += send.numel() * send.element_size()
-        partitions = recv.split([w for _, w in bucket.items])
+        self.counters.reduce_collectives += 1
+        self._pending_reduces.append(_PendingReduce(work, bucket.buffer, recv, bucket.items))
+
+    def _finish_reduces(self) -> None:
+        while self._pending_reduces:
+            pending = self._pending_reduces.pop(0)
+            start = time.perf_counter()
+            self._wait(pending.work)
+            self.counters.reduce_wait_seconds += time.perf_counter() - start
+            self._hand_to_optimizer(pending.items, pending.recv)
+
+    def _hand_to_optimizer(self, items: List[Tuple[Parameter, int]], recv: Tensor) -> None:
+        partitions = recv.split([w for _, w in items])
         first, again = [], []
-        for (param, _), part in zip(bucket.items, partitions):
+        for (param, _), part in zip(items, partitions):
             (again if param.ds_id in self._reduced else first).append((param, part))
             self._reduced.add(param.ds_id)
         # DeepSpeed's own bookkeeping: copies (first micro-step) or accumulates into the optimizer's partitions
@@ -411,6 +442,7 @@ class Z3Runtime:
         self._grad_sources.clear()
         for dtype in sorted(self._buckets, key=str):
             self._flush(dtype)
+        self._finish_reduces()
         # DeepSpeed's epilogue points averaged_gradients at the partitions we filled and ends the micro-step
         self._reduced.clear()
         self._drop_unclaimed()
