@@ -34,7 +34,11 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         "allgather_bytes_by_dtype": dict(c.allgather_bytes_by_dtype),
         "reduce_scatter_bytes": c.reduce_scatter_bytes,
         "gathers": c.gathers,
+        "allgather_collectives": c.allgather_collectives,
+        "eager_gathers": c.eager_gathers,
         "reduces": c.reduces,
+        "reduce_collectives": c.reduce_collectives,
+        "reduce_wait_seconds": c.reduce_wait_seconds,
         "live_gathered_bytes": c.live_gathered_bytes,
         "peak_gathered_bytes": c.peak_gathered_bytes,
     }
