@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 class GraphCompiler:
     """Compiles one dynamo graph; holds what its forward, partition and backward steps tell each other."""
 
-    def __init__(self, runtime, config: CompileConfig, backend: str, param_ds_ids: List[Optional[int]]):
+    def __init__(self, runtime, config: CompileConfig, backend: str, param_ds_ids: List[Optional[int]],
+                 on_failure: Optional[Callable[[BaseException], None]] = None):
         self.runtime = runtime
+        self.on_failure = on_failure
         self.config = config
         self.backend = backend
         self.param_ds_ids = param_ds_ids  # per graph input (= per joint primal): ds_id or None
@@ -81,6 +83,19 @@ class GraphCompiler:
         return self._finish(gm, example_inputs, is_backward=False, is_inference=inference)
 
     def compile_backward(self, gm: GraphModule, example_inputs):
+        """AOTAutograd compiles backward lazily, inside the first ``backward()``: past the backend's own fallback.
+        A failure here returns the engine to eager ZeRO-3 for the next steps and says that this step's backward
+        is lost."""
+        try:
+            return self._compile_backward(gm, example_inputs)
+        except Exception as err:
+            if self.on_failure is not None:
+                self.on_failure(err)
+            raise RuntimeError(f"deepspeed-compile: compiling a backward graph failed ({type(err).__name__}: {err}). "
+                               "This step's backward cannot run: skip it (do not call engine.step()); the engine "
+                               "runs uncompiled eager ZeRO-3 from the next forward on") from err
+
+    def _compile_backward(self, gm: GraphModule, example_inputs):
         rewrite.mark_escaped_inputs(gm, self.escaped)
         rid = self.runtime.id
         passes = [("insert_reduces", functools.partial(rewrite.insert_reduces_pass, runtime_id=rid,
@@ -157,7 +172,7 @@ def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Calla
             uncompiled = GraphModule(gm, copy.deepcopy(gm.graph))  # the dynamo graph as traced, for other params
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()
-            compiler = GraphCompiler(runtime, config, backend, param_ds_ids)
+            compiler = GraphCompiler(runtime, config, backend, param_ds_ids, on_failure)
             aot = aot_autograd(fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
                                partition_fn=compiler.partition, decompositions=compiler.decompositions(),
                                keep_inference_input_mutations=True)

@@ -223,6 +223,43 @@ def test_failed_compile_restores_eager_zero3():
         assert losses == eager_losses  # uncompiled eager ZeRO-3 from the first step on: the same arithmetic
 
 
+def _failed_backward_compile():
+    import torch
+    from deepspeed.compile.graph import rewrite
+    from models import ds_config, make_batch
+    from training import make_engine, train
+
+    eager = make_engine("gpt", ds_config(3))
+    eager_losses = train(eager, "gpt", 3, first_step=1)  # the reference skips step 0, as the failed step is skipped
+    eager.destroy()
+
+    def broken_pass(gm, **kwargs):
+        raise RuntimeError("injected backward pass failure")
+
+    rewrite.insert_reduces_pass = broken_pass  # runs only when AOTAutograd compiles backward, lazily
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True}))
+    engine.compile(backend="eager")
+    loss = engine(*make_batch("gpt", 0, torch.distributed.get_rank()))  # the forward compiles and runs
+    try:
+        engine.backward(loss)
+        raised = None
+    except RuntimeError as err:
+        raised = str(err)
+    active = engine.is_deepcompile_active()
+    return raised, active, eager_losses, train(engine, "gpt", 3, first_step=1)
+
+
+def test_failed_backward_compile_is_a_clear_error_then_eager_zero3():
+    """AOTAutograd compiles backward inside the first backward(), past the backend's fallback: the error names the
+    backward compile and the cause, and the next steps run as eager ZeRO-3 (same losses as eager ZeRO-3 that
+    skipped the failed step)."""
+    for raised, active, eager_losses, losses in run_distributed(_failed_backward_compile):
+        assert raised is not None and "compiling a backward graph failed" in raised, raised
+        assert "injected backward pass failure" in raised and "engine.step()" in raised, raised
+        assert not active
+        assert losses == eager_losses
+
+
 def _native_vs_python():
     from deepspeed.compile.report import engine_report
     from models import ds_config
