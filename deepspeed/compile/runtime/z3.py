@@ -146,11 +146,29 @@ class Z3Runtime:
                 for t in inputs]
 
     # ----- gather / release ------------------------------------------------------------------------------
-    def _wait(self, work) -> None:
+    def _wait(self, work, what: str = "a collective") -> None:
         if self.timeout is None:
             work.wait()
-        elif not work.wait(self.timeout):
-            raise TimeoutError(f"deepspeed-compile collective did not complete in {self.timeout}")
+            return
+        with self._timeout_named(what):
+            if not work.wait(self.timeout):
+                raise TimeoutError("timed out")
+
+    @contextmanager
+    def _timeout_named(self, what: str):
+        """A collective past ``compile.collective_timeout_s`` raises ``TimeoutError`` naming the op and parameter
+        (torch's gloo reports a timeout as a RuntimeError with its own text)."""
+        try:
+            yield
+        except (TimeoutError, RuntimeError) as err:
+            if self.timeout is None or not isinstance(err, TimeoutError) and "imeout" not in str(err) \
+                    and "timed out" not in str(err).lower():
+                raise
+            raise TimeoutError(f"deepspeed-compile: {what} did not complete within {self.timeout} "
+                               f"(compile.collective_timeout_s): a rank did not join it ({err})") from err
+
+    def _param_name(self, param: Parameter) -> str:
+        return self.eager.name(param)
 
     def add_gather_plans(self, runs: Sequence[Tuple[Sequence[int], Optional[torch.dtype]]]) -> List[int]:
         """Register the gather runs of one graph, in order (see ``ops.gather_param``); returns their ids. Each
@@ -176,7 +194,8 @@ class Z3Runtime:
             return entry.tensor
         start = time.perf_counter()
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
-        flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.timeout)
+        with self._timeout_named(f"the all-gather of parameter {self._param_name(param)}"):
+            flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.timeout)
         self.counters.gather_seconds += time.perf_counter() - start
         self.counters.allgather_collectives += 1
         return self._add_gathered(param, dtype, flat, refs=1)
@@ -220,7 +239,8 @@ class Z3Runtime:
         of the gathered rows into a buffer of its own, so each is released on its own. They wait, unclaimed, for
         their own gather op."""
         start = time.perf_counter()
-        self._wait(started.work)
+        names = ", ".join(self._param_name(p) for p in started.members)
+        self._wait(started.work, f"the all-gather of parameters {names}")
         self.counters.gather_seconds += time.perf_counter() - start
         offset = 0
         for param in started.members:
@@ -381,7 +401,7 @@ class Z3Runtime:
         while self._pending_reduces:
             pending = self._pending_reduces.pop(0)
             start = time.perf_counter()
-            self._wait(pending.work)
+            self._wait(pending.work, f"a gradient reduce-scatter ({len(pending.items)} parameters)")
             self.counters.reduce_wait_seconds += time.perf_counter() - start
             self._hand_to_optimizer(pending.items, pending.recv)
 

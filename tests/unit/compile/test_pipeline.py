@@ -305,3 +305,34 @@ def test_persistent_parameters_match_eager_zero3():
     for r in run_distributed(_pair, "gpt", "fp32", {}, STEPS, 1, "adamw", {"persistence_threshold": 1000}):
         _check_common(r)
         assert_bitwise_equal(r)
+
+
+def _gather_timeout(native_op):
+    import time
+    import torch
+    import torch.distributed as dist
+    from models import ds_config, make_batch
+    from training import make_engine, train
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": native_op,
+                                              "collective_timeout_s": 2}))
+    train(engine, "gpt", 1, compile_kwargs={"backend": "eager"})  # compiled on both ranks
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(20)  # never joins the next gather (and stays alive, so rank 0 sees a timeout, not a hang-up)
+        return None
+    start = time.perf_counter()
+    try:
+        engine(*make_batch("gpt", 1, 0))
+        message = None
+    except TimeoutError as err:
+        message = str(err)
+    return message, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("native_op", ["python", "native"])
+def test_collective_timeout_names_the_gather(native_op):
+    """compile.collective_timeout_s: a rank that never joins a gather inside a compiled graph makes the other raise
+    TimeoutError naming the gather's parameter, within the bound (2 s, plus slack for the step), on both paths."""
+    message, seconds = run_distributed(_gather_timeout, native_op, collective_timeout_s=60)[0]
+    assert message is not None and "all-gather of parameter" in message and "collective_timeout_s" in message, message
+    assert seconds < 15, seconds
