@@ -236,3 +236,38 @@ def test_fp16_auto_cast_casts_inputs_under_deepcompile():
     """DeepSpeed's engine casts inputs in a forward pre-hook it removes under DeepCompile; init_z3 casts them."""
     for dtype, active in run_distributed(_fp16_auto_cast):
         assert active and dtype == torch.float16
+
+
+def _two_engines():
+    """An actor and a critic: two DeepCompile engines of the same model class alive in one process, stepped in
+    turn, each against its own eager ZeRO-3 run (same seed and data)."""
+    import torch
+    from compare import full_params
+    from models import ds_config, make_batch
+    from training import make_engine, train
+    rank = torch.distributed.get_rank()
+    reference = {}
+    for seed in (0, 1):
+        eager = make_engine("gpt", ds_config(3), seed=seed)
+        reference[seed] = (train(eager, "gpt", 3), full_params(eager))
+        eager.destroy()
+    engines = {seed: make_engine("gpt", ds_config(3, {"deepcompile": True}), seed=seed) for seed in (0, 1)}
+    for engine in engines.values():
+        engine.compile(backend="eager")
+    losses = {0: [], 1: []}
+    for step in range(3):
+        for seed, engine in engines.items():  # interleaved steps
+            loss = engine(*make_batch("gpt", step * 100, rank))
+            engine.backward(loss)
+            engine.step()
+            losses[seed].append(loss.item())
+    return {seed: (losses[seed] == reference[seed][0],
+                   all(torch.equal(full_params(engines[seed])[k], v) for k, v in reference[seed][1].items()),
+                   engines[seed].is_deepcompile_active())
+            for seed in (0, 1)}
+
+
+def test_two_deepcompile_engines_in_one_process():
+    for by_seed in run_distributed(_two_engines):
+        for seed, (losses_equal, params_equal, active) in by_seed.items():
+            assert active and losses_equal and params_equal, (seed, losses_equal, params_equal, active)
