@@ -19,16 +19,41 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PARAM_NUMELS = (36, 37, 4099)
 
 
+def require_buildable(reasons: List[str], under_ci: bool) -> None:
+    """The build rule: under CI (``.ci/run`` sets ``CI=true`` unless the caller set it) an op that cannot be built
+    fails the tests that need it; elsewhere they skip, saying why."""
+    if reasons and under_ci:
+        pytest.fail("CI must build the native op: " + "; ".join(reasons))  # never a silent fallback in CI
+    if reasons:
+        pytest.skip("native op cannot be built here: " + "; ".join(reasons))
+
+
+def test_unbuildable_op_fails_under_ci_and_skips_elsewhere():
+    with pytest.raises(pytest.fail.Exception, match="CI must build the native op: no compiler"):
+        require_buildable(["no compiler"], under_ci=True)
+    with pytest.raises(pytest.skip.Exception, match="cannot be built here: no compiler"):
+        require_buildable(["no compiler"], under_ci=False)
+    require_buildable([], under_ci=True)  # buildable: nothing raised
+
+
+def test_ci_script_sets_ci_unless_the_caller_did():
+    import subprocess
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", ".ci", "run")
+    line = next(l.strip() for l in open(script) if l.startswith("export CI="))
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    assert subprocess.run(["bash", "-c", line + '; echo "$CI"'], env=env, capture_output=True,
+                          text=True).stdout.strip() == "true"
+    env["CI"] = "false"
+    assert subprocess.run(["bash", "-c", line + '; echo "$CI"'], env=env, capture_output=True,
+                          text=True).stdout.strip() == "false"
+
+
 @pytest.fixture(scope="session")
 def native_library() -> str:
     """Build (or find in the cache) the native library once per session; skip only if it cannot be built."""
     from deepspeed.compile.native.builder import NativeOpBuilder
     from deepspeed.compile.native.gather import native_op_error
-    reasons = NativeOpBuilder().incompatibility_reasons()
-    if reasons and os.environ.get("CI") == "true":
-        pytest.fail("CI must build the native op: " + "; ".join(reasons))  # never a silent fallback in CI
-    if reasons:
-        pytest.skip("native op cannot be built here: " + "; ".join(reasons))
+    require_buildable(NativeOpBuilder().incompatibility_reasons(), os.environ.get("CI") == "true")
     error = native_op_error()
     assert error is None, f"native op is buildable here but failed to build or load: {error}"
     return NativeOpBuilder().load()
