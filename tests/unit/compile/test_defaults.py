@@ -17,23 +17,34 @@ def _default_config(section=None):
     return config
 
 
-def _defaults(steps, zero_overrides=None, backend="eager"):
-    import time
+def _engines(model_name, backend="eager", zero_overrides=None, extra=None):
+    """Eager ZeRO-3, then DeepCompile, on the same model at the default settings (plus the overrides): yields
+    (name, engine); each engine is destroyed after its turn."""
     import deepspeed
     import torch
     import models_eager
-    from compare import full_params
     deepspeed.init_distributed(dist_backend="gloo")
     torch._dynamo.reset()
-    rank = torch.distributed.get_rank()
-    out = {}
     for name, section in (("eager", None), ("deepcompile", {"deepcompile": True})):
-        model = models_eager.make("gpt2")
+        model = models_eager.make(model_name)
         config = _default_config(section)
         config["zero_optimization"].update(zero_overrides or {})
+        config.update(extra or {})
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
         if section is not None:
             engine.compile(backend=backend)
+        yield name, engine
+        engine.destroy()
+
+
+def _defaults(steps, zero_overrides=None, backend="eager"):
+    import time
+    import torch
+    import models_eager
+    from compare import full_params
+    rank = torch.distributed.get_rank()
+    out = {}
+    for name, engine in _engines("gpt2", backend, zero_overrides):
         losses, times = [], []
         for step in range(steps):
             idx, _ = models_eager.batch(step, rank, 16)
@@ -54,7 +65,6 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
             result["plans"] = [(plan.ds_ids, str(plan.dtype), plan.next) for plan in runtime.gather_plans]
             result["persistent"] = len(runtime.persistent)
         out[name] = result
-        engine.destroy()
     out["params_equal"] = all(torch.equal(out["eager"]["params"][k], out["deepcompile"]["params"][k])
                               for k in out["eager"]["params"])
     for r in (out["eager"], out["deepcompile"]):
@@ -105,22 +115,14 @@ def test_coalesced_async_gathers_same_order_on_every_rank_both_backends():
 
 
 def _reduce_bytes_under_autocast(steps):
-    import deepspeed
     import torch
     import models_eager
     from benchmarks.comm import count_collectives
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch._dynamo.reset()
     rank = torch.distributed.get_rank()
     out = {}
-    for name, section in (("eager", None), ("deepcompile", {"deepcompile": True})):
-        model = models_eager.make("plain")
-        config = _default_config(section)
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every parameter sharded
-        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
-        if section is not None:
-            engine.compile(backend="eager")
+    # every parameter sharded, torch autocast to bf16
+    for name, engine in _engines("plain", zero_overrides={"stage3_param_persistence_threshold": 0},
+                                 extra={"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}):
         idx, targets = models_eager.batch(0, rank, 12)
         engine.backward(engine(idx, targets))  # the first step compiles: count the steps after it
         engine.step()
@@ -130,7 +132,6 @@ def _reduce_bytes_under_autocast(steps):
                 engine.backward(engine(idx, targets))
                 engine.step()
         out[name] = counts.reduce_scatter_bytes
-        engine.destroy()
     return out
 
 
