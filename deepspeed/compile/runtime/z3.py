@@ -11,7 +11,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -111,7 +111,6 @@ class Z3Runtime:
         native = load_native(native_op)
         self.gather_path = "native" if native is not None else "python"
         self._cast_all_gather = native or cast_all_gather_python
-        self.comm_dtype: Optional[torch.dtype] = getattr(self.optimizer, "communication_data_type", None)
         self.counters = Counters()
         self.saved = SavedBytes()
         self.graphs_compiled = 0
@@ -146,7 +145,7 @@ class Z3Runtime:
                 for t in inputs]
 
     # ----- gather / release ------------------------------------------------------------------------------
-    def _wait(self, work, what: str = "a collective") -> None:
+    def _wait(self, work, what: Callable[[], str]) -> None:
         if self.timeout is None:
             work.wait()
             return
@@ -155,20 +154,18 @@ class Z3Runtime:
                 raise TimeoutError("timed out")
 
     @contextmanager
-    def _timeout_named(self, what: str):
+    def _timeout_named(self, what: Callable[[], str]):
         """A collective past ``compile.collective_timeout_s`` raises ``TimeoutError`` naming the op and parameter
-        (torch's gloo reports a timeout as a RuntimeError with its own text)."""
+        (torch's gloo reports a timeout as a RuntimeError with its own text). ``what`` describes the op; it is only
+        called then, so the hot path builds no strings."""
         try:
             yield
         except (TimeoutError, RuntimeError) as err:
             if self.timeout is None or not isinstance(err, TimeoutError) and "imeout" not in str(err) \
                     and "timed out" not in str(err).lower():
                 raise
-            raise TimeoutError(f"deepspeed-compile: {what} did not complete within {self.timeout} "
+            raise TimeoutError(f"deepspeed-compile: {what()} did not complete within {self.timeout} "
                                f"(compile.collective_timeout_s): a rank did not join it ({err})") from err
-
-    def _param_name(self, param: Parameter) -> str:
-        return self.eager.name(param)
 
     def add_gather_plans(self, runs: Sequence[Tuple[Sequence[int], Optional[torch.dtype]]]) -> List[int]:
         """Register the gather runs of one graph, in order (see ``ops.gather_param``); returns their ids. Each
@@ -194,7 +191,7 @@ class Z3Runtime:
             return entry.tensor
         start = time.perf_counter()
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
-        with self._timeout_named(f"the all-gather of parameter {self._param_name(param)}"):
+        with self._timeout_named(lambda: f"the all-gather of parameter {self.eager.name(param)}"):
             flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.timeout)
         self.counters.gather_seconds += time.perf_counter() - start
         self.counters.allgather_collectives += 1
@@ -239,8 +236,8 @@ class Z3Runtime:
         of the gathered rows into a buffer of its own, so each is released on its own. They wait, unclaimed, for
         their own gather op."""
         start = time.perf_counter()
-        names = ", ".join(self._param_name(p) for p in started.members)
-        self._wait(started.work, f"the all-gather of parameters {names}")
+        self._wait(started.work,
+                   lambda: "the all-gather of parameters " + ", ".join(self.eager.name(p) for p in started.members))
         self.counters.gather_seconds += time.perf_counter() - start
         offset = 0
         for param in started.members:
@@ -330,7 +327,7 @@ class Z3Runtime:
         param = self.params[ds_id]
         # the parameter's communication dtype, as eager ZeRO-3 chooses it: under torch_autocast the gradients of
         # lower-precision-safe modules travel in the autocast dtype (half the bytes), the others in their own
-        dtype = self.optimizer.get_param_comm_dtype(param) or self.comm_dtype or grad.dtype
+        dtype = self.optimizer.get_param_comm_dtype(param)
         width = param.partition_numel()
         bucket = self._buckets.get(dtype)
         if bucket is not None and bucket.used + width > bucket.buffer.shape[1]:
@@ -401,7 +398,7 @@ class Z3Runtime:
         while self._pending_reduces:
             pending = self._pending_reduces.pop(0)
             start = time.perf_counter()
-            self._wait(pending.work, f"a gradient reduce-scatter ({len(pending.items)} parameters)")
+            self._wait(pending.work, lambda: f"a gradient reduce-scatter ({len(pending.items)} parameters)")
             self.counters.reduce_wait_seconds += time.perf_counter() - start
             self._hand_to_optimizer(pending.items, pending.recv)
 
