@@ -1,5 +1,5 @@
-"""Engine entry point for AutoTP: not implemented by this module."""
-from .fallback import fall_back
+"""Engine adapter (stock ``engine.py`` imports it by name): AutoTP, not implemented."""
+from .engine_state import fall_back
 
 
 def init_autotp(module):

@@ -1,5 +1,5 @@
-"""Engine entry point for DeepCompile with ZeRO stage 1 or 2: not implemented by this module."""
-from .fallback import fall_back
+"""Engine adapter (stock ``engine.py`` imports it by name): DeepCompile for ZeRO stage 1 or 2, not implemented."""
+from .engine_state import fall_back
 
 
 def init_z1_and_2(engine, backend, compile_config, compile_kwargs, schedule=None, use_z2: bool = False):

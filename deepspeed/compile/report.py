@@ -9,21 +9,17 @@ graphs' tensor metadata); communication and gathered-memory figures are cumulati
 """
 from typing import Any, Dict, List, Optional, Tuple
 
-from .z3_eager_fallback import RUNTIME_ATTR
-
-
-def _runtime(engine):
-    runtime = getattr(engine, RUNTIME_ATTR, None)
-    return runtime if runtime is not None and engine.is_deepcompile_active() else None
+from .engine_state import runtime_of, state_of
 
 
 def engine_report(engine) -> Optional[Dict[str, Any]]:
-    runtime = _runtime(engine)
-    if runtime is None:
+    state = state_of(engine)
+    if state is None:
         return None
-    c, s = runtime.counters, runtime.saved
+    runtime = state.runtime
+    c, s = runtime.counters, state.stats.saved
     return {
-        "graphs_compiled": runtime.graphs_compiled,
+        "graphs_compiled": state.stats.graphs_compiled,
         "gather_path": runtime.gather_path,
         "gather_seconds": c.gather_seconds,
         "saved_param_bytes": s.param_bytes,
@@ -41,24 +37,32 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         "reduce_wait_seconds": c.reduce_wait_seconds,
         "live_gathered_bytes": c.live_gathered_bytes,
         "peak_gathered_bytes": c.peak_gathered_bytes,
+        "pass_seconds": dict(state.stats.pass_times),
     }
+
+
+def collective_orders(engine) -> Optional[List[List[Tuple[str, int]]]]:
+    """Per compiled graph, in compile order: its gathers and reduces as ``(op, ds_id)``. Every rank must issue the
+    same sequence; a test or a user comparing ranks reads it here."""
+    state = state_of(engine)
+    return None if state is None else [list(order) for order in state.stats.collective_orders]
 
 
 def record_gathered_timeline(engine, on: bool = True) -> None:
     """Start (clearing what was recorded) or stop recording live gathered bytes at every gather and release."""
-    runtime = _runtime(engine)
+    runtime = runtime_of(engine)
     if runtime is not None:
         runtime.gathered_timeline = [] if on else None
 
 
 def gathered_timeline(engine) -> Optional[List[Tuple[float, int]]]:
     """``(time.perf_counter(), live gathered bytes)`` at every change since recording started."""
-    runtime = _runtime(engine)
+    runtime = runtime_of(engine)
     return None if runtime is None or runtime.gathered_timeline is None else list(runtime.gathered_timeline)
 
 
 def reset_counters(engine) -> None:
     """Zero the cumulative counters (not the saved-for-backward report, a property of the compiled graphs)."""
-    runtime = _runtime(engine)
+    runtime = runtime_of(engine)
     if runtime is not None:
         runtime.reset_counters()

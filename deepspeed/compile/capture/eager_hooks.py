@@ -1,24 +1,33 @@
 """Switch a ZeRO-3 engine's eager machinery off while its graphs gather, release and reduce, and back on.
 
 Off while compiled: ZeRO-3's module fetch/release hooks (they would gather on top of the graph ops and break
-the graph), its gradient-accumulation hooks (gradients are reduced inside the backward graph), and the
-``F.linear`` replacement ZeRO-3 installs at ``zero.Init`` (dynamo breaks the graph on it). The engine's own
-forward hooks and gradient all-reduce are switched by the engine itself (``_set_deepcompile_active``).
+the graph) and its gradient-accumulation hooks (gradients are reduced inside the backward graph). The engine's
+own forward hooks and gradient all-reduce are switched by the engine itself (``_set_deepcompile_active``).
+
+ZeRO-3 also replaces ``torch.nn.functional.linear`` for the whole process (``zero.Init``) with a wrapper whose
+autograd function gathers the weight in its backward; dynamo cannot trace that. It is left in place: dynamo is told
+(``torch.compiler.substitute_in_graph``) to trace it as the linear it computes, inside compiled graphs only, where
+the weight is the graph's own gather. Code run eagerly keeps ZeRO-3's wrapper. The substitution is registered once
+per process and holds for every engine alike, so no engine changes what another one sees.
 """
+import functools
+
 import torch
-
 from deepspeed.runtime.zero.linear import zero3_linear_wrap
-from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
-_STATE = "_dsc_eager_hooks_off"
+_OFF = "_dsc_eager_hooks_off"
 
 
-def _original_linear():
-    return getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+@functools.cache
+def trace_zero3_linear_as_linear() -> None:
+    @torch.compiler.substitute_in_graph(zero3_linear_wrap, skip_signature_check=True)
+    def _linear(input, weight, bias=None):
+        return torch._C._nn.linear(input, weight, bias)
 
 
 def switch_off(engine) -> None:
-    if getattr(engine, _STATE, False):
+    trace_zero3_linear_as_linear()
+    if getattr(engine, _OFF, False):
         return
     optimizer = engine.optimizer
     offload = optimizer.parameter_offload
@@ -31,19 +40,13 @@ def switch_off(engine) -> None:
     for hook in optimizer._leaf_module_hooks:
         hook.remove()
     optimizer._leaf_module_hooks.clear()
-    linear_was_wrapped = torch.nn.functional.linear is zero3_linear_wrap
-    if linear_was_wrapped and _original_linear() is not None:
-        torch.nn.functional.linear = _original_linear()
-    setattr(engine, _STATE, {"linear_was_wrapped": linear_was_wrapped})
+    setattr(engine, _OFF, True)
 
 
 def switch_on(engine) -> None:
-    state = getattr(engine, _STATE, False)
-    if not state:
+    if not getattr(engine, _OFF, False):
         return
     optimizer = engine.optimizer
     optimizer.parameter_offload.setup_zero_stage3_hooks()
     optimizer.create_reduce_and_remove_grad_hooks()
-    if state["linear_was_wrapped"]:
-        torch.nn.functional.linear = zero3_linear_wrap
-    setattr(engine, _STATE, False)
+    setattr(engine, _OFF, False)

@@ -1,12 +1,14 @@
 """Small analysis helpers over aten-level FX graphs: aliases, downcasts, parameter-derived nodes.
 
-Shared vocabulary of the passes: a node *aliases* its input when the op's schema says its output is a view
-of an input (views, ``t``, ``expand``, ``split`` and the ``getitem`` after it, ...); a *downcast* is a
+The one vocabulary of the package: a node *aliases* an input when its result shares that input's storage, as the
+op's schema says (views, ``t``, ``expand``, ``split`` and the ``getitem`` after it, in-place results, ...); its
+*storage root* is the node that owns that storage; its *bytes* are the storage its value spans (``tensor_bytes``);
+a *downcast* is a
 ``convert_element_type`` / ``_to_copy`` to a narrower floating dtype. A node is *parameter-derived* when it
 reaches a parameter (a parameter primal or a gather of one) only through aliases and downcasts.
 """
 import operator
-from typing import Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
 from torch.fx import Graph, Node
@@ -38,21 +40,75 @@ def is_reduce(node: Node) -> bool:
     return node.op == "call_function" and node.target is REDUCE
 
 
-def is_alias(node: Node) -> bool:
-    """True if ``node``'s output shares storage with its first tensor input (no copy is made)."""
+def _arg_value(node: Node, index: int, name: str):
+    return node.args[index] if index < len(node.args) else node.kwargs.get(name)
+
+
+def alias_source(node: Node) -> Optional[Node]:
+    """The input whose storage ``node``'s result shares, or None: views (``view``, ``t``, ``expand``, ...), the
+    elements of list-returning views (``split``/``unbind`` and the ``getitem`` after them), in-place results, and
+    ops that alias without saying so in their schema. Read from the op schemas, never from a list of names."""
     if node.op != "call_function":
-        return False
+        return None
     if node.target is operator.getitem:
-        src = node.args[0]
-        return isinstance(src, Node) and is_alias(src)
+        source = node.args[0]
+        return alias_source(source) if isinstance(source, Node) else None
     if node.target in UNDECLARED_ALIAS_OPS:
-        return True
+        first = node.args[0] if node.args else None
+        return first if isinstance(first, Node) else None
     schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    # Covers list-returning views too (split, unbind: ``Tensor(a)[]``); in-place ops are ``is_write``.
-    info = schema.returns[0].alias_info
-    return info is not None and not info.is_write
+    if schema is None:
+        return None
+    for ret in schema.returns:
+        if ret.alias_info is None:
+            continue
+        # a list of views (``Tensor(a)[]``) carries its alias set on the elements: it aliases the argument whose
+        # set widens to the wildcard (``Tensor(a -> *) self``)
+        shared = ret.alias_info.before_set
+        for index, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is not None and (shared & info.before_set or not shared and "*" in info.after_set):
+                value = _arg_value(node, index, arg.name)
+                if isinstance(value, Node):
+                    return value
+    return None
+
+
+def is_alias(node: Node) -> bool:
+    """True if ``node``'s result shares storage with one of its inputs (no copy is made)."""
+    return alias_source(node) is not None
+
+
+def storage_root(node: Node) -> Node:
+    """The node that owns the storage ``node``'s value lives in (itself unless it is an alias)."""
+    source = alias_source(node)
+    while source is not None:
+        node, source = source, alias_source(source)
+    return node
+
+
+def storage_roots(nodes: Sequence[Node]) -> Dict[Node, Node]:
+    """:func:`storage_root` of each node of a topologically ordered sequence, in one pass."""
+    roots: Dict[Node, Node] = {}
+    for node in nodes:
+        source = alias_source(node)
+        roots[node] = roots.get(source, source) if source is not None else node
+    return roots
+
+
+def mutated_inputs(node: Node) -> List[Node]:
+    """Inputs that ``node`` writes to (``Tensor(a!)`` in its schema): ``release_param`` and ``reduce_grad`` among
+    them."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    found = []
+    for index, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = _arg_value(node, index, arg.name)
+            if isinstance(value, Node):
+                found.append(value)
+    return found
 
 
 def downcast_dtype(node: Node) -> Optional[torch.dtype]:
@@ -83,9 +139,17 @@ def derived_closure(roots: Iterable[Node], through_casts: bool = True) -> Set[No
             continue
         found.add(node)
         for user in node.users:
-            if is_alias(user) or is_gather(user) or (through_casts and downcast_dtype(user) is not None):
+            if _shares_storage_of(user, node) or is_gather(user) \
+                    or (through_casts and downcast_dtype(user) is not None and user.args[0] is node):
                 stack.append(user)
     return found
+
+
+def _shares_storage_of(user: Node, node: Node) -> bool:
+    """``user``'s result shares ``node``'s storage (an element of a list-returning view shares its input's)."""
+    if user.target is operator.getitem:
+        return user.args[0] is node and is_alias(user)
+    return alias_source(user) is node
 
 
 def alias_closure(root: Node) -> Set[Node]:
@@ -113,9 +177,17 @@ def placeholders(graph: Graph) -> List[Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
+def param_primals(graph: Graph) -> Set[Node]:
+    """Graph inputs that are ZeRO-3 parameters (marked with their ``ds_id``)."""
+    return {n for n in placeholders(graph) if META_DS_ID in n.meta}
+
+
+def output_node(graph: Graph) -> Node:
+    return graph.output_node()
+
+
 def output_args(graph: Graph) -> List:
-    out = graph.output_node() if hasattr(graph, "output_node") else next(n for n in graph.nodes if n.op == "output")
-    args = out.args[0]
+    args = output_node(graph).args[0]
     return list(args) if isinstance(args, (list, tuple)) else [args]
 
 
@@ -126,12 +198,27 @@ def size_hint(size) -> int:
 
 
 def tensor_bytes(node: Node) -> int:
-    """Bytes of storage a node's value needs (a stride-0 stand-in needs one element)."""
+    """Bytes of storage ``node``'s value spans: the one byte count of this package. A stride-0 stand-in spans one
+    element; tuples count 0 (their ``getitem`` elements count). A gather inserted without metadata counts its
+    stand-in's full shape in the gathered dtype."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
+    if isinstance(val, torch.Tensor):
+        sizes = [size_hint(s) for s in val.shape]
+        if 0 in sizes:
+            return 0
+        span = 1 + sum((size - 1) * size_hint(stride) for size, stride in zip(sizes, val.stride()))
+        return span * val.element_size()
+    if val is not None:
         return 0
-    sizes = [size_hint(s) for s in val.shape]
-    if 0 in sizes:
-        return 0
-    span = 1 + sum((size - 1) * size_hint(stride) for size, stride in zip(sizes, val.stride()))
-    return span * val.element_size()
+    if is_gather(node) and isinstance(node.args[0], Node):
+        standin = node.args[0].meta.get("val")
+        if isinstance(standin, torch.Tensor):
+            dtype = gather_dtype(node) or standin.dtype
+            return size_hint(standin.numel()) * dtype.itemsize
+    meta = node.meta.get("tensor_meta")  # traced by torch.fx's ShapeProp instead of make_fx
+    if meta is not None and hasattr(meta, "shape"):
+        numel = 1
+        for size in meta.shape:
+            numel *= size_hint(size)
+        return numel * meta.dtype.itemsize
+    return 0

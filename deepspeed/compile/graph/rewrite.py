@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 
 from ..runtime.ops import GATHER, RELEASE, REDUCE
 from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, is_reduce, is_release,
-                    output_args, placeholders, reader_outputs, size_hint)
+                    output_args, output_node, placeholders, reader_outputs, size_hint)
 
 # Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
 META_ESCAPED_DS_ID = "dsc_escaped_ds_id"
@@ -61,7 +61,6 @@ def fold_downcasts_pass(gm: GraphModule) -> GraphModule:
         dtype = dtypes.pop()
         node.args = (*node.args[:3], dtype, _after(node), _plan(node))
         node.kwargs = {}
-        node.kwargs = {}
         _set_val(node)
         for cast in list(node.users):
             cast.replace_all_uses_with(node)
@@ -73,7 +72,7 @@ def insert_releases_pass(gm: GraphModule, *, runtime_id: int) -> GraphModule:
     """Release after the last use of every gathered parameter (gathers, and escaped values coming in)."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out_node = output_node(graph)
     roots: List[Node] = [n for n in graph.nodes if is_gather(n) or (n.op == "placeholder" and META_ESCAPED_DS_ID in n.meta)]
     for root in roots:
         ds_id = root.args[2] if is_gather(root) else root.meta[META_ESCAPED_DS_ID]
@@ -156,7 +155,7 @@ def _numel(gather: Node) -> int:
 def insert_reduces_pass(gm: GraphModule, *, runtime_id: int, grad_ds_ids: List[Optional[int]]) -> GraphModule:
     """``grad_ds_ids[i]``: the ds_id whose gradient is backward output ``i`` (None for other inputs)."""
     graph = gm.graph
-    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out_node = output_node(graph)
     outputs = output_args(graph)
     if len(outputs) < len(grad_ds_ids):
         raise AssertionError(f"backward graph has {len(outputs)} outputs, expected >= {len(grad_ds_ids)}")

@@ -107,9 +107,13 @@ def cast_all_gather_python(shard: Tensor, dtype: Optional[torch.dtype], group: O
     if dtype is not None and dtype != send.dtype:
         send = send.to(dtype)  # cast the shard, then gather: less traffic
     flat = torch.empty(send.numel() * world_size, dtype=send.dtype, device=send.device)
-    work = dist.all_gather_into_tensor(flat, send, group=group, async_op=True)
+    wait_for(dist.all_gather_into_tensor(flat, send, group=group, async_op=True), timeout)
+    return flat
+
+
+def wait_for(work, timeout: Optional[datetime.timedelta] = None) -> None:
+    """Wait for a started collective; past ``timeout`` (None: forever) raise ``TimeoutError``."""
     if timeout is None:
         work.wait()
     elif not work.wait(timeout):
-        raise TimeoutError(f"all-gather did not complete within {timeout}")
-    return flat
+        raise TimeoutError(f"the collective did not complete within {timeout}")

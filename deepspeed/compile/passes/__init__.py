@@ -1,2 +1,4 @@
-"""Graph passes. The engine-facing modules here (``zero3_compile``, ``prefetch`` ...) exist because DeepSpeed's
-engine imports them by name; the pipeline itself lives in ``deepspeed.compile.graph``."""
+"""Engine adapters only: the stock DeepCompile pass names that DeepSpeed's engine imports and registers at start-up
+(``NAME``, a callable, a ``CONTRACT`` per module). None of them runs here: each callable raises, saying that this
+module runs its own fixed pipeline. The real graph passes live in ``deepspeed.compile.graph`` (analysis, tagging,
+rewrites) and ``deepspeed.compile.schedule`` (ordering)."""

@@ -5,8 +5,9 @@ DeepSpeed's engine registers a fixed set of named passes at start-up and validat
 schedule) and configured through the ``"compile"`` section instead, so schedules are validated here for a
 clear error and then refused by ``init_z3``.
 """
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 CAP_Z3_GATHER_RELEASE = "z3_gather_release"
 
@@ -23,8 +24,22 @@ class PassContractError(ValueError):
     """A pass schedule that names an unknown pass or breaks a contract."""
 
 
-# Contracts of the passes the engine registers by name (see ``backend.register_compile_pass``).
-CONTRACTS: Dict[str, PassContract] = {}
+class PassRegistry(Mapping):
+    """Pass name -> pass callable, fixed when built, with each pass's contract (``contracts``). Read-only: a
+    registry that engines could write to would be state they fight over."""
+
+    def __init__(self, entries: Iterable[Tuple[str, Callable, PassContract]]):
+        self._passes = {name: fn for name, fn, _ in entries}
+        self.contracts: Dict[str, PassContract] = {name: contract for name, _, contract in entries}
+
+    def __getitem__(self, name: str) -> Callable:
+        return self._passes[name]
+
+    def __iter__(self):
+        return iter(self._passes)
+
+    def __len__(self) -> int:
+        return len(self._passes)
 
 
 def not_in_pipeline(name: str) -> Callable:
@@ -43,7 +58,8 @@ def validate_schedule(schedule: List[Tuple[int, List]], name_registry: Optional[
     """Check ``[(step, [pass, ...]), ...]``: shape, known names, required capabilities and conflicts."""
     if not isinstance(schedule, (list, tuple)):
         raise PassContractError(f"schedule must be a list of (step, passes), got {type(schedule).__name__}")
-    contracts = CONTRACTS if contracts is None else contracts
+    if contracts is None:
+        contracts = getattr(name_registry, "contracts", {})
     for entry in schedule:
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], int)):
             raise PassContractError(f"schedule entry {entry!r} is not (step: int, passes: list)")

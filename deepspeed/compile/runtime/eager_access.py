@@ -1,7 +1,7 @@
 """Real parameters for whatever runs outside the compiled graphs during a DeepCompile step.
 
 While an engine's compiled forward runs, each ZeRO-3 parameter's ``.data`` is a full-shape stand-in with no real
-contents (``capture/standins.py``). Code that dynamo does not compile (a frame it skips after a graph break it
+contents (``runtime/standins.py``). Code that dynamo does not compile (a frame it skips after a graph break it
 cannot resume from, a frame past ``recompile_limit``, a ``torch.compiler.disable``d submodule, an autograd
 function it will not trace, Python between two graphs) reads the parameter as a plain tensor, so it must get the
 real one. DeepSpeed's ``ZeROOrderedDict.__getitem__`` (every ``module.weight`` read) asks

@@ -19,10 +19,8 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import Tensor
 from torch.nn import Parameter
 
-from ..capture import standins
-from ..graph.report import SavedBytes
-from ..native.gather import cast_all_gather_python, load_native
-from . import registry
+from ..native.gather import cast_all_gather_python, load_native, wait_for
+from . import registry, standins
 from .eager_access import EagerAccess
 
 log = logging.getLogger(__name__)
@@ -112,10 +110,6 @@ class Z3Runtime:
         self.gather_path = "native" if native is not None else "python"
         self._cast_all_gather = native or cast_all_gather_python
         self.counters = Counters()
-        self.saved = SavedBytes()
-        self.graphs_compiled = 0
-        # per compiled graph, in compile order: the (op, ds_id) sequence of its collectives (same on every rank)
-        self.collective_orders: List[List[Tuple[str, int]]] = []
         # (time.perf_counter(), live gathered bytes) at every change, while recording (report.py)
         self.gathered_timeline: Optional[List[Tuple[float, int]]] = None
         self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
@@ -146,12 +140,8 @@ class Z3Runtime:
 
     # ----- gather / release ------------------------------------------------------------------------------
     def _wait(self, work, what: Callable[[], str]) -> None:
-        if self.timeout is None:
-            work.wait()
-            return
         with self._timeout_named(what):
-            if not work.wait(self.timeout):
-                raise TimeoutError("timed out")
+            wait_for(work, self.timeout)
 
     @contextmanager
     def _timeout_named(self, what: Callable[[], str]):

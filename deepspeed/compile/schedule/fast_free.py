@@ -20,8 +20,8 @@ from typing import Dict, List, Optional, Sequence
 
 from torch.fx import Graph, GraphModule, Node
 
-from .memory_plan import (alias_members, is_collective, is_gather, is_reduce, is_release, mutated_inputs, node_bytes,
-                          storage_roots)
+from ..graph.nodes import is_gather, is_reduce, is_release, mutated_inputs, storage_roots, tensor_bytes
+from .memory_plan import alias_members, is_collective
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +29,14 @@ COLLECTIVE_ORDERS = ("traced", "first_use")
 _TOP_OPS = ("placeholder", "get_attr")
 
 
-def is_eager(node: Node) -> bool:
-    """Released or reduced as soon as everything before it has run: both only free memory."""
+def frees_memory(node: Node) -> bool:
+    """A release or a reduce: run as soon as everything before it has run, since both only free memory."""
     return is_release(node) or is_reduce(node)
 
 
 def is_side_effect(node: Node) -> bool:
     """Impure or random nodes other than our own ops: they keep their traced relative order."""
-    if node.op in ("placeholder", "output", "get_attr") or is_gather(node) or is_eager(node):
+    if node.op in ("placeholder", "output", "get_attr") or is_gather(node) or frees_memory(node):
         return False
     if node.op in ("call_module", "call_method"):
         return node.op == "call_module"
@@ -55,7 +55,7 @@ class GraphFacts:
         self.gathers = [n for n in self.nodes if is_gather(n)]
         self.reduces = [n for n in self.nodes if is_reduce(n)]
         self.gather_users = {g: [u for m in self.members[g] for u in m.users] for g in self.gathers}
-        self.gather_bytes = {g: node_bytes(g) for g in self.gathers}
+        self.gather_bytes = {g: tensor_bytes(g) for g in self.gathers}
         self.writes = [(writer, target) for writer in self.nodes for target in mutated_inputs(writer)]
         self.lazy = self._find_lazy()
 
@@ -66,7 +66,7 @@ class GraphFacts:
         side_effects = set(self.side_effects)
         lazy: Dict[Node, None] = {}
         for node in self.nodes:
-            if is_gather(node) or (node.op == "call_function" and not is_eager(node) and node not in side_effects
+            if is_gather(node) or (node.op == "call_function" and not frees_memory(node) and node not in side_effects
                                    and all(source in lazy for source in node.all_input_nodes)):
                 lazy[node] = None
         return lazy
@@ -143,7 +143,7 @@ class _ListScheduler:
         self.needed_upto = -1  # highest gather-order position that something has needed so far
         self.order: List[Node] = []
         self.done: Dict[Node, None] = {}
-        self.waiting = {n: len(deps[n]) for n in self.nodes if is_eager(n)}
+        self.waiting = {n: len(deps[n]) for n in self.nodes if frees_memory(n)}
         self.dependents: Dict[Node, List[Node]] = {n: [] for n in self.nodes}
         for node in self.waiting:
             for before in deps[node]:
@@ -200,7 +200,7 @@ class _ListScheduler:
             if node.op in _TOP_OPS and node not in self.done:
                 self.pull(node)
         for node in self.nodes:
-            if node.op not in _TOP_OPS and node not in lazy and not is_eager(node) and node.op != "output":
+            if node.op not in _TOP_OPS and node not in lazy and not frees_memory(node) and node.op != "output":
                 self.pull(node)
         for node in self.nodes:  # whatever nothing needed: dead values, unused gathers
             if node not in self.done and node.op != "output":

@@ -1,27 +1,21 @@
 """Static memory plan of a graph in a given node order: what is live at each node, from the graph alone.
 
 Every number here comes from the graph's own tensor metadata (``node.meta["val"]``): no process group, no run.
-A *storage* is a tensor that owns memory; views and other aliases (read from the op schemas) share their
-base's storage and are never counted twice. A storage is live from the node that creates it to the last node
+A *storage* is a tensor that owns memory; views and other aliases share their base's storage and are never
+counted twice (the vocabulary of aliases, storage roots and bytes is ``graph/nodes.py``'s). A storage is live from the node that creates it to the last node
 that reads it or any of its aliases; a gathered parameter therefore lives from its ``gather_param`` to its
 ``release_param``. Graph inputs are resident for the whole graph and are reported apart.
-
-The same facts serve the scheduler (``fast_free``): which nodes alias which, which nodes mutate what.
 """
 import dataclasses
 import logging
 import operator
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..graph.nodes import UNDECLARED_ALIAS_OPS, is_gather, is_reduce, is_release, size_hint
+from ..graph.nodes import is_gather, is_reduce, is_release, storage_roots, tensor_bytes
 
 logger = logging.getLogger(__name__)
-
-VAL_KEY = "val"  # FakeTensor (or tuple of them) set by make_fx / AOTAutograd
-TENSOR_META_KEY = "tensor_meta"  # TensorMetadata, the fallback when a node has no "val"
 
 GATHERED = "gathered"
 ACTIVATION = "activation"
@@ -45,94 +39,12 @@ def nodes_of(graph: GraphLike) -> List[Node]:
     return list(graph)
 
 
-def _arg_value(node: Node, index: int, name: str):
-    if index < len(node.args):
-        return node.args[index]
-    return node.kwargs.get(name)
-
-
-def alias_source(node: Node) -> Optional[Node]:
-    """The input whose storage ``node``'s result shares (a view, an in-place result), or None."""
-    if node.op != "call_function":
-        return None
-    if node.target is operator.getitem:
-        # An element of an aliasing multi-output op (split, unbind, chunk) aliases that op's input.
-        source = node.args[0]
-        return alias_source(source) if isinstance(source, Node) else None
-    if node.target in UNDECLARED_ALIAS_OPS:
-        first = node.args[0] if node.args else None
-        return first if isinstance(first, Node) else None
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return None
-    for ret in schema.returns:
-        if ret.alias_info is None:
-            continue
-        for index, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.before_set & ret.alias_info.before_set:
-                value = _arg_value(node, index, arg.name)
-                if isinstance(value, Node):
-                    return value
-    return None
-
-
-def mutated_inputs(node: Node) -> List[Node]:
-    """Inputs that ``node`` writes to (declared ``Tensor(a!)`` in its schema): release and reduce among them."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return []
-    found = []
-    for index, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = _arg_value(node, index, arg.name)
-            if isinstance(value, Node):
-                found.append(value)
-    return found
-
-
-def storage_roots(nodes: Sequence[Node]) -> Dict[Node, Node]:
-    """Map each node to the node that owns its storage (itself unless it is an alias)."""
-    roots: Dict[Node, Node] = {}
-    for node in nodes:
-        source = alias_source(node)
-        roots[node] = roots.get(source, source) if source is not None else node
-    return roots
-
-
 def alias_members(nodes: Sequence[Node], roots: Dict[Node, Node]) -> Dict[Node, List[Node]]:
     """For each storage root, the nodes (itself first, then its aliases in order) that share it."""
     members: Dict[Node, List[Node]] = {}
     for node in nodes:
         members.setdefault(roots[node], []).append(node)
     return members
-
-
-def _bytes_of(val) -> int:
-    if isinstance(val, torch.Tensor):
-        try:
-            return size_hint(val.numel()) * val.element_size()
-        except (TypeError, RuntimeError):  # no hint at all: no static answer
-            return 0
-    return 0
-
-
-def node_bytes(node: Node) -> int:
-    """Bytes of ``node``'s tensor result (0 for non-tensors and tuples: their elements are the getitems)."""
-    val = node.meta.get(VAL_KEY)
-    if val is not None:
-        return _bytes_of(val)
-    if is_gather(node):  # a gather inserted without metadata: the stand-in's shape in the requested dtype
-        standin = node.args[0].meta.get(VAL_KEY) if isinstance(node.args[0], Node) else None
-        dtype = _arg_value(node, 3, "dtype")
-        if isinstance(standin, torch.Tensor):
-            return size_hint(standin.numel()) * (dtype.itemsize if dtype is not None else standin.element_size())
-    meta = node.meta.get(TENSOR_META_KEY)
-    if meta is not None and hasattr(meta, "shape"):
-        numel = 1
-        for size in meta.shape:
-            numel *= size_hint(size)
-        return numel * meta.dtype.itemsize
-    return 0
 
 
 @dataclasses.dataclass
@@ -155,7 +67,7 @@ def find_storages(order: Sequence[Node]) -> List[Storage]:
     for root, group in members.items():
         if root.op == "output" or is_release(root) or is_reduce(root):
             continue
-        nbytes = node_bytes(root)
+        nbytes = tensor_bytes(root)
         if nbytes == 0:
             continue
         birth = pos[root]
@@ -220,7 +132,7 @@ def peak_gathered_bytes(graph: GraphLike) -> int:
 
 def largest_gathered_bytes(graph: GraphLike) -> int:
     """Bytes of the largest single gathered parameter: the unit the scheduler's optimality is stated in."""
-    return max((node_bytes(n) for n in nodes_of(graph) if is_gather(n)), default=0)
+    return max((tensor_bytes(n) for n in nodes_of(graph) if is_gather(n)), default=0)
 
 
 @dataclasses.dataclass
@@ -281,7 +193,7 @@ def gathered_lower_bound(graph: GraphLike) -> LowerBound:
             above |= ancestors[pos[reader]]
             own |= 1 << pos[reader]
         for i in _bits((below & above) | own):
-            need[i] += node_bytes(gather)
+            need[i] += tensor_bytes(gather)
     own = [0] * len(order)
     for i, node in enumerate(order):
         touched = {roots[n] for n in node.all_input_nodes} | {roots[node]}

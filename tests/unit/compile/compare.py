@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 import deepspeed
 import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+from deepspeed.compile.engine_state import runtime_of, state_of
 
 from models import ds_config
 from training import make_engine, train
@@ -62,7 +63,7 @@ def train_and_record(engine, model: str, steps: int, grad_steps: int, compile_kw
             grads.append(full_grads(e))
 
     def record_live(e):
-        runtime = getattr(e, "_deepspeed_compile_runtime", None)
+        runtime = runtime_of(e, active_only=False)
         if runtime is not None:
             live_after_step.append(runtime.counters.live_gathered_bytes)
         grad_norms.append(float(e.get_global_grad_norm()))
@@ -93,9 +94,9 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
     torch._dynamo.reset()  # each compiled engine starts from dynamo's empty caches (and its recompile limit)
     compiled = make_engine(model, ds_config(3, section, dtype, grad_accum, **config_kwargs))
     out = train_and_record(compiled, model, steps, grad_steps, compile_kwargs={"backend": backend})
-    runtime = compiled._deepspeed_compile_runtime
-    out.update({"active": compiled.is_deepcompile_active(), "counters": vars(runtime.counters).copy(),
-                "saved": vars(runtime.saved).copy(), "graphs": runtime.graphs_compiled})
+    state = state_of(compiled, active_only=False)
+    out.update({"active": compiled.is_deepcompile_active(), "counters": vars(state.runtime.counters).copy(),
+                "saved": vars(state.stats.saved).copy(), "graphs": state.stats.graphs_compiled})
     compiled.destroy()
     return out
 

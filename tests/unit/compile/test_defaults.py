@@ -6,6 +6,7 @@ arithmetic, see test_eager_access.py). The runtime's reduce bucket must be sized
 ``reduce_bucket_size`` of 5e8 elements (2 GB of fp32), and no per-step cost may grow with it.
 """
 from distributed import run_distributed
+from deepspeed.compile.engine_state import runtime_of  # noqa: E402
 
 
 def _default_config(section=None):
@@ -55,7 +56,7 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
         result = {"losses": losses, "params": full_params(engine), "step_s": sorted(times[2:])[len(times[2:]) // 2]}
-        runtime = getattr(engine, "_deepspeed_compile_runtime", None)
+        runtime = runtime_of(engine, active_only=False)
         if runtime is not None:
             result["bucket_numel"] = max(b.numel() for bufs in runtime._bucket_buffers.values() for b in bufs)
             result["partition_numel"] = sum(p.partition_numel() for p in runtime.params.values()) * runtime.world_size

@@ -9,6 +9,7 @@ final parameters are compared for equality, not within a tolerance. Inductor fus
 import pytest
 
 from distributed import run_distributed
+from deepspeed.compile.engine_state import runtime_of, state_of  # noqa: E402
 
 LR = 1e-3
 
@@ -62,7 +63,7 @@ def _pair(name, steps, seq_of_step, backend="eager", compile_kwargs=None, dynamo
     eager.destroy()
     engine = _initialize(name, {"deepcompile": True}, sgd)
     engine.compile(backend=backend, compile_kwargs=compile_kwargs or {})
-    runtime = engine._deepspeed_compile_runtime
+    runtime = runtime_of(engine, active_only=False)
     live = []
     with torch._dynamo.config.patch(**(dynamo_config or {})):
         losses = []
@@ -74,7 +75,7 @@ def _pair(name, steps, seq_of_step, backend="eager", compile_kwargs=None, dynamo
     out["param_diff"] = max((params[k] - eager_params[k]).abs().max().item() for k in params)
     out["params_equal"] = all(torch.equal(params[k], eager_params[k]) for k in params)
     out["active"] = engine.is_deepcompile_active()
-    out["graphs"] = runtime.graphs_compiled
+    out["graphs"] = state_of(engine, active_only=False).stats.graphs_compiled
     out["eager_gathers"] = runtime.counters.eager_gathers
     out["live_after_step"] = live
     engine.destroy()
@@ -193,7 +194,7 @@ def _standin_read():
     engine.backward(engine(idx, targets))
     engine.step()  # one normal step: compiled
     held = engine.module.blocks[1].fc.weight  # read outside the forward: ZeRO-3's partitioned parameter
-    runtime = engine._deepspeed_compile_runtime
+    runtime = runtime_of(engine, active_only=False)
     with deepcompile_z3_forward_context(engine):
         out = (torch.ones(2, 32) @ held).sum()  # computes with the stand-in, bypassing the module
     message = ""

@@ -54,7 +54,7 @@ def test_unknown_compile_key_names_the_key():
 
 def test_bad_schedule_and_backend_are_refused():
     from deepspeed.compile.config import CompileConfig
-    from deepspeed.compile.init_z3 import check_compile_request
+    from deepspeed.compile.engine_state import check_compile_request
     with pytest.raises(ValueError, match="schedule"):
         check_compile_request(CompileConfig(deepcompile=True), "eager", [(0, ["prefetch"])])
     with pytest.raises(ValueError, match="aot_eager"):

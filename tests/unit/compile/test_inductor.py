@@ -15,6 +15,7 @@ fp32; the step-0 loss within 2^-8, the others within 1e-2). SGD, so that paramet
 import torch
 
 from distributed import run_distributed
+from deepspeed.compile.engine_state import runtime_of  # noqa: E402
 
 STEPS = 6
 FP32_TOL = 1e-5
@@ -69,9 +70,9 @@ def _accumulation_and_checkpoint(ckpt_dir):
     engine.load_checkpoint(ckpt_dir, tag="inductor")
     out["restored_unequal"] = unequal(saved, full_params(engine))
     out["active_after_load"] = engine.is_deepcompile_active()
-    gathers = engine._deepspeed_compile_runtime.counters.gathers
+    gathers = runtime_of(engine, active_only=False).counters.gathers
     out["after_load"] = train(engine, "gpt", 2, first_step=2)
-    out["gathers_after_load"] = engine._deepspeed_compile_runtime.counters.gathers - gathers
+    out["gathers_after_load"] = runtime_of(engine, active_only=False).counters.gathers - gathers
     return out
 
 

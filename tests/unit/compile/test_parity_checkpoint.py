@@ -7,6 +7,7 @@ compiled, and 2 more steps must give bitwise the losses and parameters of the en
 which continued training: so the optimizer state was carried over too.
 """
 from distributed import run_distributed
+from deepspeed.compile.engine_state import runtime_of  # noqa: E402
 
 TRAIN, MORE = 3, 2
 
@@ -38,7 +39,7 @@ def _cross_load(ckpt_dir):
         engine.load_checkpoint(ckpt_dir, tag=tag)
         loaded = {"restored_unequal": unequal(saved[tag], full_params(engine)),
                   "active": engine.is_deepcompile_active()}
-        runtime = getattr(engine, "_deepspeed_compile_runtime", None)
+        runtime = runtime_of(engine, active_only=False)
         losses = train(engine, "gpt", MORE, first_step=TRAIN)
         loaded.update(losses_equal=losses == continued[tag][0], losses=(losses, continued[tag][0]),
                       params_unequal=unequal(full_params(engine), continued[tag][1]),

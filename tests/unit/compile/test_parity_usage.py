@@ -10,6 +10,7 @@ import math
 import torch
 
 from distributed import run_distributed
+from deepspeed.compile.engine_state import runtime_of  # noqa: E402
 
 
 # ----- evaluation between training steps -----------------------------------------------------------------------
@@ -23,7 +24,7 @@ def _eval_between_steps(compile_section):
     engine = make_engine("buffers", ds_config(3, compile_section))
     if compile_section:
         engine.compile(backend="eager")
-    runtime = getattr(engine, "_deepspeed_compile_runtime", None)
+    runtime = runtime_of(engine, active_only=False)
     rank = dist.get_rank()
     out = {"losses": [], "eval_losses": [], "grads": [], "eval_gathers": [], "live_after_eval": [],
            "buffers_around_eval": []}

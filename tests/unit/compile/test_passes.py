@@ -9,7 +9,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from deepspeed.compile.graph import rewrite
 from deepspeed.compile.graph.nodes import META_DS_ID, downcast_dtype, is_alias, output_args
 from deepspeed.compile.graph.recompute import RECOMPUTE, tag_param_aliases_pass
-from deepspeed.compile.graph.report import saved_for_backward
+from deepspeed.compile.graph.saved import saved_for_backward
 from deepspeed.compile.runtime.ops import GATHER, REDUCE, RELEASE
 
 

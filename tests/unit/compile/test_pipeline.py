@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from deepspeed.compile.engine_state import runtime_of  # noqa: E402
+from deepspeed.compile.report import collective_orders  # noqa: E402
 
 STEPS = 10
 
@@ -169,10 +171,10 @@ def _checkpoint_round_trip(ckpt_root, section):
     engine.load_checkpoint(ckpt_root, tag=tag)
     restored = unequal(saved, full_params(engine))
     active_after_load = engine.is_deepcompile_active()
-    gathers_before = getattr(engine, "_deepspeed_compile_runtime", None)
+    gathers_before = runtime_of(engine, active_only=False)
     gathers_before = gathers_before.counters.gathers if gathers_before is not None else None
     after_load = train(engine, "gpt", 3, first_step=3)
-    runtime = getattr(engine, "_deepspeed_compile_runtime", None)
+    runtime = runtime_of(engine, active_only=False)
     gathered_after_load = None if runtime is None else runtime.counters.gathers - gathers_before
     return after_save, after_load, restored, active_after_load, gathered_after_load
 
@@ -289,7 +291,7 @@ def _collective_orders():
     from training import make_engine, train
     engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "prefetch": 2}))
     train(engine, "gpt", 2, compile_kwargs={"backend": "eager"})
-    return engine._deepspeed_compile_runtime.collective_orders
+    return collective_orders(engine)
 
 
 def test_scheduled_collective_order_is_the_same_on_every_rank():

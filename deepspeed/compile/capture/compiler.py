@@ -2,12 +2,17 @@
 
 Per dynamo graph (one per graph break) a :class:`GraphCompiler` runs, in order:
   insert gathers (dynamo graph) -> AOTAutograd joint trace -> tag parameter aliases/downcasts
-  -> partition (min-cut by default) -> forward: fold downcasts, releases, schedule
-  -> backward: fold downcasts, reduces, releases, schedule -> the backend's own compiler (eager or inductor).
+  -> partition (min-cut by default)
+  -> forward: fold downcasts, insert releases, fast-free schedule, pin gathers, coalesce gathers
+  -> backward: insert reduces, then the forward's passes in the same order
+  -> the backend's own compiler (eager or inductor).
+The compiler owns what compiling tells about the graphs (:class:`CompileStats`, one per engine); the runtime it
+compiles for owns communication and buffers only.
 """
 import copy
 import functools
 import logging
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -15,24 +20,34 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.fx import GraphModule
 
-from ..backend import opt_pass_times
 from ..config import CompileConfig
 from ..graph import rewrite
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, placeholders
 from ..graph.recompute import tag_param_aliases_pass
-from ..graph.report import saved_for_backward
 from ..graph.runner import run_passes
+from ..graph.saved import SavedBytes, saved_for_backward
 from ..schedule.fast_free import fast_free_schedule
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class CompileStats:
+    """What compiling an engine's graphs found, summed over its graphs (``report.engine_report`` reads it)."""
+    saved: SavedBytes = field(default_factory=SavedBytes)  # saved-for-backward bytes of the forward graphs
+    graphs_compiled: int = 0  # forward graphs
+    # per compiled graph, in compile order: the (op, ds_id) sequence of its collectives (same on every rank)
+    collective_orders: List[List[Tuple[str, int]]] = field(default_factory=list)
+    pass_times: Dict[str, float] = field(default_factory=dict)  # seconds per pipeline pass
+
+
 class GraphCompiler:
     """Compiles one dynamo graph; holds what its forward, partition and backward steps tell each other."""
 
-    def __init__(self, runtime, config: CompileConfig, backend: str, param_ds_ids: List[Optional[int]],
-                 on_failure: Optional[Callable[[BaseException], None]] = None):
+    def __init__(self, runtime, stats: CompileStats, config: CompileConfig, backend: str,
+                 param_ds_ids: List[Optional[int]], on_failure: Optional[Callable[[BaseException], None]] = None):
         self.runtime = runtime
+        self.stats = stats
         self.on_failure = on_failure
         self.config = config
         self.backend = backend
@@ -74,12 +89,12 @@ class GraphCompiler:
         return passes
 
     def compile_forward(self, gm: GraphModule, example_inputs):
-        gm = run_passes(gm, self._common_passes(), opt_pass_times)
+        gm = run_passes(gm, self._common_passes(), self.stats.pass_times)
         self.escaped = rewrite.escaped_saved_names(gm)
         inference = self.num_fwd_outputs is None  # no partition ran: nothing is saved for backward
         if not inference:
-            self.runtime.saved += saved_for_backward(gm, self.num_fwd_outputs)
-        self.runtime.graphs_compiled += 1
+            self.stats.saved += saved_for_backward(gm, self.num_fwd_outputs)
+        self.stats.graphs_compiled += 1
         return self._finish(gm, example_inputs, is_backward=False, is_inference=inference)
 
     def compile_backward(self, gm: GraphModule, example_inputs):
@@ -100,11 +115,11 @@ class GraphCompiler:
         rid = self.runtime.id
         passes = [("insert_reduces", functools.partial(rewrite.insert_reduces_pass, runtime_id=rid,
                                                        grad_ds_ids=self.param_ds_ids))]
-        gm = run_passes(gm, passes + self._common_passes(), opt_pass_times)
+        gm = run_passes(gm, passes + self._common_passes(), self.stats.pass_times)
         return self._finish(gm, example_inputs, is_backward=True, is_inference=False)
 
     def _finish(self, gm: GraphModule, example_inputs, *, is_backward: bool, is_inference: bool):
-        self.runtime.collective_orders.append(collective_order(gm))
+        self.stats.collective_orders.append(collective_order(gm))
         if self.backend == "eager":
             return boxed_eager(gm)
         from torch._inductor.compile_fx import compile_fx_inner
@@ -159,7 +174,8 @@ def bind_to_traced_params(compiled: Callable, uncompiled: GraphModule, traced: D
     return run
 
 
-def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Callable[[BaseException], None]):
+def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: str,
+                 on_failure: Callable[[BaseException], None]):
     """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module."""
 
     def compile_graph(gm: GraphModule, example_inputs):
@@ -172,7 +188,7 @@ def make_backend(runtime, config: CompileConfig, backend: str, on_failure: Calla
             uncompiled = GraphModule(gm, copy.deepcopy(gm.graph))  # the dynamo graph as traced, for other params
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()
-            compiler = GraphCompiler(runtime, config, backend, param_ds_ids, on_failure)
+            compiler = GraphCompiler(runtime, stats, config, backend, param_ds_ids, on_failure)
             aot = aot_autograd(fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
                                partition_fn=compiler.partition, decompositions=compiler.decompositions(),
                                keep_inference_input_mutations=True)

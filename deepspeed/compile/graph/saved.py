@@ -5,7 +5,7 @@ from typing import Set
 
 from torch.fx import GraphModule, Node
 
-from .nodes import META_DS_ID, derived_closure, is_alias, is_gather, output_args, placeholders, tensor_bytes
+from .nodes import derived_closure, is_gather, output_args, param_primals, storage_root, tensor_bytes
 
 
 @dataclass
@@ -23,24 +23,18 @@ class SavedBytes:
         return self
 
 
-def _storage_root(node: Node) -> Node:
-    while is_alias(node) and isinstance(node.args[0], Node):
-        node = node.args[0]
-    return node
-
-
 def saved_for_backward(fw: GraphModule, num_fwd_outputs: int) -> SavedBytes:
     """Count the storage that forward outputs ``num_fwd_outputs:`` (the saved values) keep alive. A saved
     alias of a graph input costs nothing; several aliases of one buffer count it once."""
     graph = fw.graph
-    params = [n for n in placeholders(graph) if META_DS_ID in n.meta] + [n for n in graph.nodes if is_gather(n)]
+    params = [*param_primals(graph), *(n for n in graph.nodes if is_gather(n))]
     param_derived = derived_closure(params)
     report = SavedBytes()
     seen: Set[Node] = set()
     for value in output_args(graph)[num_fwd_outputs:]:
         if not isinstance(value, Node):
             continue
-        root = _storage_root(value)
+        root = storage_root(value)
         if root.op == "placeholder" or root in seen:
             continue
         seen.add(root)

@@ -1,0 +1,163 @@
+"""The engine's DeepCompile state: one :class:`DeepCompileState` per engine, and the only code that creates it,
+runs a forward in it, and ends it.
+
+Stock DeepSpeed reaches this module only through thin adapters, files that exist because its ``engine.py``
+imports them by name (``docs/design.md`` lists them): ``init_z3`` -> :func:`activate_z3`; ``init_z1_and_2``,
+``init_sp``, ``init_tp`` -> :func:`fall_back`; ``z3_eager_fallback`` -> :func:`forward_context`; ``backend``
+-> :class:`PassTimes`. ``report.py`` reads the state for users. Importing this module must stay cheap (stock
+DeepSpeed imports it at ``import deepspeed``): the runtime and compiler are imported when an engine activates.
+"""
+import weakref
+from collections.abc import Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+
+from deepspeed.utils import logger
+
+from .config import CompileConfig, unimplemented_options
+
+if TYPE_CHECKING:
+    from .capture.compiler import CompileStats
+    from .runtime.z3 import Z3Runtime
+
+ATTR = "_deepspeed_compile"  # the engine attribute holding its DeepCompileState
+
+# every engine's state while the engine lives: read only by the process-wide pass-time view the engine API asks for
+_LIVE: "weakref.WeakSet[DeepCompileState]" = weakref.WeakSet()
+
+
+@dataclass(eq=False)
+class DeepCompileState:
+    runtime: "Z3Runtime"  # communication and buffers
+    stats: "CompileStats"  # what compiling the engine's graphs found
+
+
+def state_of(engine, active_only: bool = True) -> Optional[DeepCompileState]:
+    """The engine's DeepCompile state; with ``active_only`` None unless the engine runs DeepCompile now."""
+    state = getattr(engine, ATTR, None)
+    if state is None or (active_only and not engine.is_deepcompile_active()):
+        return None
+    return state
+
+
+def runtime_of(engine, active_only: bool = True) -> "Optional[Z3Runtime]":
+    state = state_of(engine, active_only)
+    return None if state is None else state.runtime
+
+
+def fall_back(what: str, why: str) -> None:
+    """DeepCompile cannot run this configuration: log one clear warning and return ``None``, so that the engine
+    compiles with plain ``torch.compile``."""
+    logger.warning(f"deepspeed-compile: {what} is not supported ({why}); "
+                   "falling back to plain torch.compile without DeepCompile")
+    return None
+
+
+def check_compile_request(compile_config: CompileConfig, backend: str, schedule) -> None:
+    """Refuse what cannot work before any state is changed: a ``ValueError`` naming the argument."""
+    if schedule is not None:
+        raise ValueError("engine.compile(schedule=...) is not supported by deepspeed-compile: its pipeline is "
+                         "fixed (tag, min-cut partition, rewrite, schedule) and configured in the ds_config "
+                         "'compile' section; pass schedule=None")
+    if backend not in ("eager", "inductor"):
+        raise ValueError(f"engine.compile(backend={backend!r}): DeepCompile supports 'eager' and 'inductor'")
+
+
+def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=None) -> Optional[Callable]:
+    """Give a ZeRO-3 engine its DeepCompile state and return the dynamo backend that compiles its graphs (None:
+    fall back to plain ``torch.compile``)."""
+    check_compile_request(compile_config, backend, schedule)
+    fallback, ignored = unimplemented_options(compile_config)
+    if fallback:
+        return fall_back(f"compile option(s) {fallback}", "offload is not implemented by deepspeed-compile")
+    if ignored:
+        logger.warning(f"deepspeed-compile: compile option(s) {ignored} have no effect in this implementation")
+
+    # imported here: these register the graph ops, which `import deepspeed` must not pay for
+    from .capture import eager_hooks
+    from .capture.compiler import CompileStats, make_backend
+    from .runtime.z3 import Z3Runtime
+
+    runtime = Z3Runtime(engine, timeout_s=compile_config.collective_timeout_s, free_on_release=backend == "eager",
+                        native_op=compile_config.native_op)
+    state = DeepCompileState(runtime, CompileStats())
+    setattr(engine, ATTR, state)
+    _LIVE.add(state)
+    eager_hooks.switch_off(engine)
+    if engine.fp16_auto_cast():
+        # the engine casts inputs to fp16 in the forward pre-hook it removes while DeepCompile is active
+        runtime.input_cast_hook = engine.module.register_forward_pre_hook(
+            lambda module, args: engine._cast_inputs_half(args))
+
+    def on_failure(err: BaseException) -> None:
+        logger.error(f"deepspeed-compile: compiling a graph failed ({type(err).__name__}: {err}); the engine "
+                     "runs uncompiled eager ZeRO-3 from the next step on (engine.compile() tries again)")
+        deactivate(engine, uncompile=True)
+
+    return make_backend(runtime, state.stats, compile_config, backend, on_failure)
+
+
+def deactivate(engine, uncompile: bool = False) -> None:
+    """Return ``engine`` to eager ZeRO-3: stand-ins out, eager hooks back on, DeepCompile marked inactive.
+    With ``uncompile`` the module's ``torch.compile`` wrapper is dropped too: after a failed compile the eager
+    ZeRO-3 hooks must run as plain Python, not be re-traced by dynamo."""
+    from .capture import eager_hooks
+    from .runtime import standins
+    state = state_of(engine, active_only=False)
+    if state is not None:
+        runtime = state.runtime
+        if runtime.input_cast_hook is not None:
+            runtime.input_cast_hook.remove()
+            runtime.input_cast_hook = None
+        runtime.eager.release()
+        runtime.eager.remove_grad_hooks()  # eager ZeRO-3's own gradient hooks take over
+        standins.uninstall(runtime.params.values())
+    eager_hooks.switch_on(engine)
+    if engine.is_deepcompile_active():
+        engine._set_deepcompile_active(False)
+    if uncompile:
+        # nn.Module.compile() keeps its wrapper here; the engine records compilation in _is_compiled
+        engine.module._compiled_call_impl = None
+        engine._is_compiled = False
+
+
+@contextmanager
+def forward_context(engine) -> Iterator[None]:
+    """One forward of ``engine``: prepared by its runtime when DeepCompile is active (stand-ins in, eager access
+    on); if the engine left DeepCompile since its last forward, it is returned to eager ZeRO-3 first."""
+    state = state_of(engine, active_only=False)
+    if state is None:
+        yield None
+        return
+    if not engine.is_deepcompile_active():
+        deactivate(engine)
+        yield None
+        return
+    with state.runtime.forward_context():
+        yield None
+
+
+class PassTimes(Mapping):
+    """Seconds spent in each pipeline pass, summed over the live engines of this process: the process-wide view
+    ``engine.get_compile_time()`` returns. Each engine keeps its own times (``CompileStats.pass_times``); this
+    view only reads them."""
+
+    def _totals(self) -> dict:
+        totals: dict = {}
+        for state in list(_LIVE):
+            for name, seconds in state.stats.pass_times.items():
+                totals[name] = totals.get(name, 0.0) + seconds
+        return totals
+
+    def __getitem__(self, name: str) -> float:
+        return self._totals()[name]
+
+    def __iter__(self):
+        return iter(self._totals())
+
+    def __len__(self) -> int:
+        return len(self._totals())
+
+    def __repr__(self) -> str:
+        return repr(self._totals())
