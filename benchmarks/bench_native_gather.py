@@ -19,8 +19,9 @@ from typing import Dict, List, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "unit", "compile"))
-import checkout  # noqa: E402,F401  (this checkout's deepspeed.compile, before deepspeed is imported)
+from benchmarks.checkout import use_checkout  # noqa: E402
+
+use_checkout()  # this checkout's deepspeed.compile, before deepspeed is imported
 
 import torch  # noqa: E402
 

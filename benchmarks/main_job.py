@@ -14,8 +14,9 @@ from typing import List, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "unit", "compile"))
-import checkout  # noqa: E402,F401  (the checkout's deepspeed.compile, before deepspeed is imported)
+from benchmarks.checkout import use_checkout  # noqa: E402
+
+use_checkout()  # the checkout's deepspeed.compile, before deepspeed is imported
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -23,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.models import SIZES, make_batch, make_model, parameter_count  # noqa: E402
-from benchmarks.worker import ds_config, report_module  # noqa: E402
+from benchmarks.worker import ds_config  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -39,6 +40,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     import deepspeed
+    from deepspeed.compile.report import engine_report
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     model = make_model(args.model, args.size, seed=0)
@@ -63,14 +65,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         if rank == 0:
             print(f"step {step:3d}  loss {loss.item():.5f}  step time {times[-1]:.3f} s"
                   f"{'  (includes compile)' if step == 0 else ''}", flush=True)
-    report = report_module()
-    stats = report.engine_report(engine) if report is not None else None
+    stats = engine_report(engine)
     if rank == 0:
         steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
         print(f"done: {args.steps} steps in {time.perf_counter() - t_start:.1f} s, first step {times[0]:.2f} s, "
               f"median step {steady:.3f} s", flush=True)
         if stats is None:
-            print("engine report: n/a (deepspeed.compile.report not available or engine not running DeepCompile)")
+            print("engine report: n/a (the engine is not running DeepCompile)")
         else:
             print("engine report: " + ", ".join(f"{k}={v}" for k, v in stats.items()), flush=True)
     dist.barrier()

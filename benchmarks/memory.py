@@ -7,8 +7,8 @@ reported, so a running total drifts upward. We therefore match allocations to fr
 block is allocated over an address range that a block we still think is live occupies, that older block must
 have been freed in the meantime (the allocator cannot hand out memory that is in use), so it is retired
 then. Frees of blocks allocated before profiling started are not reported at all: trace one step *before*
-the step of interest as well (``Tracker(warm_steps=...)`` in the benchmark does), so that the step of
-interest starts with every transient block known.
+the step of interest as well, so that the step of interest starts with every transient block known (the
+worker runs its last two steps in one ``trace_memory()`` window and reads the last with ``step_peak``).
 
 On CUDA, ``torch.cuda.max_memory_allocated`` gives the peak, and the profiler still draws the timeline.
 

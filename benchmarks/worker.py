@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "unit", "compile"))
-import checkout  # noqa: E402,F401  (the checkout's deepspeed.compile, before deepspeed is imported)
+from benchmarks.checkout import use_checkout  # noqa: E402
+
+use_checkout()  # the checkout's deepspeed.compile, before deepspeed is imported
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
@@ -70,15 +71,6 @@ def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optiona
     if compile_section is not None:
         config["compile"] = compile_section
     return config
-
-
-def report_module():
-    """``deepspeed.compile.report`` if this build of the module has it, else None (columns show n/a)."""
-    try:
-        from deepspeed.compile import report
-    except ImportError:
-        return None
-    return report if hasattr(report, "engine_report") else None
 
 
 def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[Step, Any]:
@@ -149,12 +141,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     rank = dist.get_rank()
     model = make_model(args.model, args.size, args.seed)
     n_params = parameter_count(model)
-    engine, report = None, None
+    engine = None
     if args.row.startswith("fsdp2"):
         fns = build_fsdp2(args, model)
     else:
         fns, engine = build_deepspeed(args, model)
-        report = report_module() if args.row.startswith("ours-") else None
+    ours_row = args.row.startswith("ours-")
+    if ours_row:
+        from deepspeed.compile import report
     batches = [make_batch(args.size, i, rank) for i in range(1 + args.warmup + args.steps + 2)]
     losses, times = [], []
 
@@ -170,21 +164,20 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     for i in range(1 + args.warmup):
         timed(i)
-    if report is not None and engine is not None:
+    if ours_row:
         report.reset_counters(engine)
     with count_collectives() as counts:
         for i in range(1 + args.warmup, 1 + args.warmup + args.steps):
             timed(i)
-    ours = report.engine_report(engine) if report is not None else None
+    ours = report.engine_report(engine) if ours_row else None  # None if the engine fell back to eager ZeRO-3
     persistent = live_tensor_bytes()
-    gathered_track = report is not None and hasattr(report, "record_gathered_timeline")
     with trace_memory() as traced:
         saved = timed(len(times), walk=True)
-        if gathered_track:
+        if ours_row:
             report.record_gathered_timeline(engine, True)
         gathered_t0 = time.perf_counter()
         timed(len(times))
-    gathered = report.gathered_timeline(engine) if gathered_track else None
+    gathered = report.gathered_timeline(engine) if ours_row else None
     timeline = step_peak(traced["timeline"], "step")
     peak_above = timeline.peak_bytes if timeline is not None else None
 

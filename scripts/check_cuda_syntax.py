@@ -26,8 +26,9 @@ from typing import List, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests" / "unit" / "compile"))
-import checkout  # noqa: E402,F401  (this checkout's deepspeed.compile, before deepspeed is imported)
+from benchmarks.checkout import use_checkout  # noqa: E402
+
+use_checkout()  # this checkout's deepspeed.compile, before deepspeed is imported
 
 # Headers only; the versions are pinned so that every run checks against the same CUDA API.
 CUDA_HEADER_WHEELS = ("nvidia-cuda-runtime-cu12==12.9.79",  # cuda_runtime_api.h, cuda.h, ...

@@ -33,13 +33,12 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS_DIR = os.path.join(REPO_ROOT, "tests", "unit", "compile")
 MiB = float(1 << 20)
 TRAIN_RUNS: Tuple[Tuple[str, str], ...] = (("zero3", "fp32"), ("ours-min_cut", "fp32"), ("zero3", "autocast"),
                                           ("ours-min_cut", "autocast"), ("ours-default", "autocast"))
 # autocast(bf16): eager ZeRO-3 runs linear layers through its own autograd function, the compiled graph through
-# aten's decomposition; both round in bf16 (unit round-off 2^-9) in a different order. Same bound as
-# tests/unit/compile/test_pipeline.py.
+# aten's decomposition; both round in bf16 (unit round-off 2^-9) in a different order. Same bound as the unit
+# tests' (check_bf16_against_eager in tests/unit/compile/compare.py).
 AUTOCAST_RTOL = 1e-2
 GATHER_DTYPES = ("fp32", "bf16", "fp16")
 GATHER_NUMELS = (36, 37, 4099, 1 << 22)
@@ -61,8 +60,9 @@ def _use_checkout() -> None:
     """This checkout's deepspeed.compile on DeepSpeed's CUDA accelerator, one rank (before deepspeed is imported)."""
     os.environ["DS_ACCELERATOR"] = "cuda"
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    sys.path[:0] = [REPO_ROOT, TESTS_DIR]
-    import checkout  # noqa: F401
+    sys.path.insert(0, REPO_ROOT)
+    from benchmarks.checkout import use_checkout
+    use_checkout()
 
 
 def _init_nccl(workdir: str) -> None:
@@ -136,7 +136,8 @@ def part_train(args: argparse.Namespace) -> Dict[str, Any]:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from benchmarks.models import SIZES, make_batch, make_model, parameter_count
-    from benchmarks.worker import ds_config, report_module
+    from benchmarks.worker import ds_config
+    from deepspeed.compile.report import engine_report
     _init_nccl(args.workdir)
     exact = args.dtype == "fp32"
     if exact:  # a difference must come from the pipeline, not from a kernel's atomics
@@ -164,8 +165,7 @@ def part_train(args: argparse.Namespace) -> Dict[str, Any]:
             losses.append(loss.item())
     torch.cuda.synchronize()
     steady_peak = torch.cuda.max_memory_allocated()
-    report = report_module()
-    stats = report.engine_report(engine) if report is not None and section is not None else None
+    stats = engine_report(engine) if section is not None else None
     active = engine.is_deepcompile_active() if section is not None else None
     return {"ok": section is None or bool(active), "losses": losses, "deepcompile_active": active,
             "peak_bytes": max(first_peak, steady_peak), "steady_peak_bytes": steady_peak,
@@ -232,9 +232,14 @@ def run_parts(args: argparse.Namespace, parts: Dict[str, Tuple[str, List[str]]])
     return results
 
 
+def max_rel_diff(a: List[float], b: List[float]) -> float:
+    """Largest relative difference of ``b`` from ``a``, element by element (``a`` is the reference)."""
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+
+
 def check_losses(results: Dict[str, Dict[str, Any]]) -> None:
     """Compare each DeepCompile run's losses with eager ZeRO-3's of the same dtype (``loss_check``, ``ok``)."""
-    from compare import max_rel_diff  # tests/unit/compile/compare.py
     for row, dtype in TRAIN_RUNS:
         r, ref = results[f"{row}/{dtype}"], results[f"zero3/{dtype}"]
         if row == "zero3" or "losses" not in r:
@@ -295,7 +300,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = run_parts(args, {"build": ("build", [])})  # first: the other parts load the library it built
     results.update(run_parts(args, {"gather": ("gather", []), **{
         f"{row}/{dtype}": ("train", ["--row", row, "--dtype", dtype]) for row, dtype in TRAIN_RUNS}}))
-    _use_checkout()  # compare.py imports deepspeed
     check_losses(results)
     head = (f"## gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
             f"Llama {args.size}, {args.steps} steps, 1 rank (NCCL)")

@@ -42,7 +42,7 @@ pip_args=(-q --disable-pip-version-check)
 if [ -d "$WHEELS" ]; then pip_args+=(--no-index --find-links "$WHEELS"); fi
 python -c "import torch" 2>/dev/null || python -m pip install "${pip_args[@]}" torch==2.13.0
 DS_BUILD_OPS=0 python -m pip install "${pip_args[@]}" -r build/gpu_requirements.txt
-# deepspeed.compile resolves to this checkout (tests/unit/compile/checkout.py): nothing of the project is installed.
+# deepspeed.compile resolves to this checkout (benchmarks/checkout.py): nothing of the project is installed.
 python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.is_available())"
 export TORCH_EXTENSIONS_DIR="$PWD/build/torch_extensions"
 exec python scripts/gpu_check.py "$@"

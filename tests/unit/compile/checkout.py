@@ -14,8 +14,6 @@ PACKAGE_DIR = os.path.join(REPO_ROOT, "deepspeed", "compile")
 
 
 def use_checkout() -> None:
-    if REPO_ROOT not in sys.path:
-        sys.path.insert(0, REPO_ROOT)  # the benchmark models are shared with the tests
     if os.environ.get("DEEPSPEED_COMPILE_MODULE") != "stock":
         os.environ["DEEPSPEED_COMPILE_MODULE"] = PACKAGE_DIR
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -181,3 +181,19 @@ def drift_over_movement(r: Dict[str, Any], key: str = "master_after_first") -> D
             moved = (r[f"eager_{key}"][k] - w0).norm().clamp_min(1e-30)
             out[k] = ((r[key][k] - r[f"eager_{key}"][k]).norm() / moved).item()
     return out
+
+
+def check_bf16_against_eager(r: Dict[str, Any], dtype: str) -> Dict[str, float]:
+    """A :func:`run_pair` in ``dtype`` (bf16 or autocast) under SGD, with eager ZeRO-3's fp32 gradient at step 0 in
+    ``fp32_grads``, against eager ZeRO-3 within :func:`bf16_grad_bound`. Returns what it measured."""
+    bound = bf16_grad_bound(r["eager_grads"][0], r["fp32_grads"][0])
+    assert bound < 0.1, f"eager ZeRO-3's own {dtype} gradient error is implausibly large: {bound / 2:.3g}"
+    grad_diff = rel_diffs(r["grads"][0], r["eager_grads"][0])
+    assert max(grad_diff.values()) <= bound, (bound, {k: v for k, v in grad_diff.items() if v > bound})
+    drift = drift_over_movement(r)
+    assert max(drift.values()) <= bound, (bound, {k: v for k, v in drift.items() if v > bound})
+    assert max_rel_diff(r["eager_losses"][:1], r["losses"][:1]) <= BF16_UNIT_ROUNDOFF, (r["eager_losses"], r["losses"])
+    loss_diff = max_rel_diff(r["eager_losses"], r["losses"])
+    assert loss_diff <= 1e-2, (r["eager_losses"], r["losses"])
+    return {"grad": max(grad_diff.values()), "bound": bound, "first_update": max(drift.values()), "loss": loss_diff,
+            "final_drift": max(drift_over_movement(r, "master").values())}

@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.models import GPT, ModelSize
 
 
 class OddMLP(nn.Module):
@@ -29,11 +28,46 @@ class OddMLP(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
-class TinyGPT(GPT):
-    """The benchmark GPT (tied input/output embeddings, fused QKV split in forward), at test size."""
+class Block(nn.Module):
+    """Pre-norm transformer block with one fused QKV weight that is split in forward."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """GPT with tied input/output embeddings (one parameter used twice, once transposed) and a fused QKV weight
+    split in forward: the benchmark's architecture at test size, defined here so that the tests stand alone."""
 
     def __init__(self, vocab: int = 97, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16):
-        super().__init__(ModelSize(vocab=vocab, dim=dim, heads=heads, layers=layers, seq=seq, batch=4))
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        nn.init.normal_(self.tok.weight, std=0.02)  # tied output head: unit-variance rows would give huge logits
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[:idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln(x), self.tok.weight)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 class PartlyFrozen(nn.Module):

@@ -118,7 +118,7 @@ def test_coalesced_async_gathers_same_order_on_every_rank_both_backends():
 def _reduce_bytes_under_autocast(steps):
     import torch
     import models_eager
-    from benchmarks.comm import count_collectives
+    from collectives import count_collectives
     rank = torch.distributed.get_rank()
     out = {}
     # every parameter sharded, torch autocast to bf16

@@ -6,8 +6,6 @@ compiled parts gather the same shards, and the reduce-scatter pre-divides and su
 final parameters are compared for equality, not within a tolerance. Inductor fuses and reorders fp32 arithmetic:
 1e-5 relative on losses and 1e-5 absolute on parameters, as in test_inductor.py.
 """
-import pytest
-
 from distributed import run_distributed
 from deepspeed.compile.engine_state import runtime_of, state_of  # noqa: E402
 
@@ -159,7 +157,6 @@ def test_inductor_eager_access_and_dynamic_shapes():
 
 def _without_compile():
     import deepspeed
-    import torch
     import models_eager
     deepspeed.init_distributed(dist_backend="gloo")
     losses = {}

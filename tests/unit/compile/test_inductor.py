@@ -40,8 +40,7 @@ def check_fp32_close(r):
 
 
 def test_inductor_matches_eager_zero3_and_saves_no_parameter():
-    from compare import loss_fell
-    from test_pipeline import check_bf16_against_eager
+    from compare import check_bf16_against_eager, loss_fell
     for out in run_distributed(_inductor_pairs, timeout_s=540):
         print("fp32:", check_fp32_close(out["fp32"]))
         print("autocast:", check_bf16_against_eager(out["autocast"], "autocast"))

@@ -1,4 +1,8 @@
-"""The benchmark's CPU tensor-memory measurement: known allocations give the known peak (single process)."""
+"""The benchmark's CPU tensor-memory measurement: known allocations give the known peak (single process).
+
+A test of benchmark code, so the one place where the tests import from ``benchmarks/`` (nothing else under
+``tests/`` does, and nothing under ``benchmarks/`` imports from ``tests/``).
+"""
 import sys
 import threading
 

@@ -51,8 +51,7 @@ def test_fp32_option_matches_eager_zero3(results, option):
 
 
 def test_unfused_cast_matches_eager_zero3_under_autocast(results):
-    from compare import unequal
-    from test_pipeline import check_bf16_against_eager
+    from compare import check_bf16_against_eager, unequal
     for out in results:
         r = out["unfused"]
         assert r["active"] and r["live_after_step"] == [0] * STEPS

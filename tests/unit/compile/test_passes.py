@@ -11,10 +11,7 @@ from deepspeed.compile.graph.nodes import META_DS_ID, downcast_dtype, is_alias, 
 from deepspeed.compile.graph.recompute import RECOMPUTE, tag_param_aliases_pass
 from deepspeed.compile.graph.saved import saved_for_backward
 from deepspeed.compile.runtime.ops import GATHER, REDUCE, RELEASE
-
-
-def _trace(fn, *shapes) -> GraphModule:
-    return make_fx(fn, tracing_mode="fake")(*[torch.empty(s) for s in shapes])
+from graphs import FakeRuntime, trace
 
 
 def _qkv_graph() -> GraphModule:
@@ -25,7 +22,7 @@ def _qkv_graph() -> GraphModule:
         wt = q.t().to(torch.bfloat16)
         return (x.to(torch.bfloat16) @ wt).float().sum() + (x @ k.t()).sum() + v.sum()
 
-    gm = _trace(f, (12, 4), (3, 4))
+    gm = trace(f, (12, 4), (3, 4))
     next(n for n in gm.graph.nodes if n.op == "placeholder").meta[META_DS_ID] = 7
     return gm
 
@@ -57,23 +54,6 @@ def test_tag_marks_exactly_the_parameter_aliases_and_downcasts():
     assert weight not in tagged
 
 
-class _FakeRuntime:
-    def __init__(self, params):
-        self.params = params
-        self.calls = []
-
-    def gather(self, ds_id, dtype, plan=0):
-        self.calls.append(("gather", ds_id, dtype))
-        p = self.params[ds_id]
-        return p.to(dtype) if dtype is not None else p.clone()
-
-    def release(self, ds_id, tensor):
-        self.calls.append(("release", ds_id, tensor.dtype))
-
-    def reduce(self, ds_id, grad):
-        self.calls.append(("reduce", ds_id, grad.clone()))
-
-
 def _gathered_graph(runtime_id):
     def f(standin, x):
         w = GATHER(standin, runtime_id, 3, None, [], 0)
@@ -83,14 +63,12 @@ def _gathered_graph(runtime_id):
 
 
 def test_fold_downcast_and_release_after_last_reader():
-    from deepspeed.compile.runtime import registry
-    runtime = _FakeRuntime({3: torch.randn(5, 4)})
-    rid = registry.register(runtime)
-    gm = _gathered_graph(rid)
+    runtime = FakeRuntime({3: torch.randn(5, 4)})
+    gm = _gathered_graph(runtime.id)
     x = torch.randn(2, 4)
     reference = gm(torch.empty(5, 4), x)
     gm = rewrite.fold_downcasts_pass(gm)
-    gm = rewrite.insert_releases_pass(gm, runtime_id=rid)
+    gm = rewrite.insert_releases_pass(gm, runtime_id=runtime.id)
     gm.graph.lint()
     gm.recompile()
     gathers = [n for n in gm.graph.nodes if n.target is GATHER]
@@ -106,15 +84,12 @@ def test_fold_downcast_and_release_after_last_reader():
 
 
 def test_insert_reduces_returns_none_and_reduces_each_parameter_gradient():
-    from deepspeed.compile.runtime import registry
-
     def bw(grad_out, x):
         return grad_out.t() @ x, grad_out.sum(0), grad_out @ torch.ones(4, 4)
 
     gm = make_fx(bw)(torch.randn(2, 4), torch.randn(2, 4))
-    runtime = _FakeRuntime({})
-    rid = registry.register(runtime)
-    gm = rewrite.insert_reduces_pass(gm, runtime_id=rid, grad_ds_ids=[11, 12, None])
+    runtime = FakeRuntime({})
+    gm = rewrite.insert_reduces_pass(gm, runtime_id=runtime.id, grad_ds_ids=[11, 12, None])
     gm.recompile()
     outs = output_args(gm.graph)
     assert outs[0] is None and outs[1] is None and outs[2] is not None
@@ -133,7 +108,7 @@ def test_saved_for_backward_splits_parameter_derived_bytes():
         h = x @ wt
         return h.sum(), wt, h  # one user output, then two saved values: a parameter alias and an activation
 
-    gm = make_fx(fw, tracing_mode="fake")(torch.empty(8, 4), torch.empty(3, 4))
+    gm = trace(fw, (8, 4), (3, 4))
     report = saved_for_backward(gm, num_fwd_outputs=1)
     assert report.param_bytes == 8 * 4 * 4 and report.param_tensors == 1
     assert report.other_bytes == 3 * 8 * 4 and report.other_tensors == 1
