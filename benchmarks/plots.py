@@ -9,6 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 MiB = float(1 << 20)
 _PHASE_COLORS = {"forward": "#d8e8f8", "backward": "#f8e0d0", "optimizer": "#e0f0d8"}
+_COLLECTIVE_COLORS = {"all-gather": "tab:blue", "reduce-scatter": "tab:green"}
 
 
 def config_name(result: Dict[str, Any]) -> str:
@@ -41,6 +42,16 @@ def plot_timeline(result: Dict[str, Any], path: str) -> str:
     elif result.get("peak_gathered_bytes"):
         ax.axhline(result["peak_gathered_bytes"] / MiB, color="tab:purple", ls=":", lw=1.2,
                    label="peak gathered params (runtime)")
+    spans = result.get("collective_spans")
+    if spans:
+        # a band under the curve: one row per collective kind, a bar while each collective was in flight
+        top = max([b / MiB for b in tl["live_bytes"]] + [0.0])
+        height = max(top, 1e-3) * 0.04
+        for row, (kind, color) in enumerate(_COLLECTIVE_COLORS.items()):
+            bars = [(start * 1e3, (end - start) * 1e3) for k, start, end in spans if k == kind]
+            if bars:
+                ax.broken_barh(bars, (-(row + 1) * 1.3 * height, height), color=color, alpha=0.8,
+                               label=f"{kind} in flight (runtime)")
     ax.set_xlabel("time in step (ms)")
     ax.set_ylabel("MiB above step start")
     ax.set_title(f"{result['model']} {result['dtype']} {config_name(result)}: "

@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         gathered_t0 = time.perf_counter()
         timed(len(times))
     gathered = report.gathered_timeline(engine) if ours_row else None
+    spans = report.collective_spans(engine) if ours_row else None
     timeline = step_peak(traced["timeline"], "step")
     peak_above = timeline.peak_bytes if timeline is not None else None
 
@@ -211,6 +212,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         # the runtime's own clock, from just before the measured step (the profiler window starts there too)
         result["gathered_timeline"] = {"times_s": [t - gathered_t0 for t, _ in gathered],
                                        "live_bytes": [b for _, b in gathered]}
+    if spans:
+        # when each all-gather / reduce-scatter was in flight (issue to the end of its wait), same clock
+        result["collective_spans"] = [(kind, start - gathered_t0, end - gathered_t0) for kind, start, end in spans]
     return result
 
 

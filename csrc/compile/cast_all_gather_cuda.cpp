@@ -35,8 +35,12 @@ c10::cuda::CUDAStream comm_stream(c10::DeviceIndex device) {
   return it->second;
 }
 
-at::Tensor cast_all_gather_cuda(const at::Tensor& shard, std::optional<at::ScalarType> dtype,
-                                c10::string_view group_name, int64_t world_size, int64_t timeout_ms) {
+// Issues the cast and the all-gather; with `wait`, also makes `current` wait for the result (the blocking op),
+// else registers the work under the output for the caller's wait_tensor (the start op: NCCL's wait then makes
+// the waiting stream depend on the collective's end).
+at::Tensor cast_all_gather_cuda_impl(const at::Tensor& shard, std::optional<at::ScalarType> dtype,
+                                     c10::string_view group_name, int64_t world_size, int64_t timeout_ms,
+                                     bool wait) {
   check_cast_all_gather_args(shard, dtype, world_size, timeout_ms);
   // Autograd falls through to this kernel (dsc_native.cpp): keep the inner ops out of autograd too.
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -61,6 +65,12 @@ at::Tensor cast_all_gather_cuda(const at::Tensor& shard, std::optional<at::Scala
     // The shard is read on comm; keep its block from being reused by its own stream until comm is past it.
     c10::cuda::CUDACachingAllocator::recordStream(shard.storage().data_ptr(), comm);
     auto work = group->all_gather_single(flat, send, allgather_options(timeout_ms));
+    if (!wait) {
+      // NCCL's work holds `send` and `flat` until the collective is done; flat is read on `current` after the
+      // caller's wait_tensor, which orders `current` after the collective
+      c10::cuda::CUDACachingAllocator::recordStream(flat.storage().data_ptr(), comm);
+      return register_started(Started{flat, work});
+    }
     wait_work(work, timeout_ms);
   }
   c10::cuda::CUDAEvent done;
@@ -69,11 +79,22 @@ at::Tensor cast_all_gather_cuda(const at::Tensor& shard, std::optional<at::Scala
   return flat;
 }
 
+at::Tensor cast_all_gather_cuda(const at::Tensor& shard, std::optional<at::ScalarType> dtype,
+                                c10::string_view group_name, int64_t world_size, int64_t timeout_ms) {
+  return cast_all_gather_cuda_impl(shard, dtype, group_name, world_size, timeout_ms, /*wait=*/true);
+}
+
+at::Tensor cast_all_gather_start_cuda(const at::Tensor& shard, std::optional<at::ScalarType> dtype,
+                                      c10::string_view group_name, int64_t world_size, int64_t timeout_ms) {
+  return cast_all_gather_cuda_impl(shard, dtype, group_name, world_size, timeout_ms, /*wait=*/false);
+}
+
 }  // namespace
 }  // namespace dsc_native
 
 TORCH_LIBRARY_IMPL(dsc_native, CUDA, m) {
   m.impl("cast_all_gather", &dsc_native::cast_all_gather_cuda);
+  m.impl("cast_all_gather_start", &dsc_native::cast_all_gather_start_cuda);
 }
 
 #endif  // DSC_WITH_CUDA

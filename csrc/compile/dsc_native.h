@@ -28,6 +28,16 @@ void check_cast_all_gather_args(const at::Tensor& shard, std::optional<at::Scala
 // Options for an asynchronous all-gather; `timeout_ms` > 0 overrides the group's default timeout.
 c10d::AllgatherOptions allgather_options(int64_t timeout_ms);
 
+// A collective issued and not waited for: its output buffer and its work.
+struct Started {
+  at::Tensor flat;
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+// Registers `started.work` with c10d under `started.flat` and returns the buffer: the caller waits with
+// torch.ops._c10d_functional.wait_tensor(flat), torch's own wait for in-flight functional collectives.
+at::Tensor register_started(const Started& started);
+
 // Waits on `work`: forever (or the group's own timeout) when `timeout_ms` <= 0, else at most that long.
 // For NCCL the wait is a stream dependency of the current stream, not a host block.
 void wait_work(const c10::intrusive_ptr<c10d::Work>& work, int64_t timeout_ms);

@@ -54,3 +54,19 @@ def install() -> None:
     """Put the finder first on ``sys.meta_path``; idempotent, replaces an older copy of itself."""
     sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", "") != "DeepSpeedCompileFinder"]
     sys.meta_path.insert(0, DeepSpeedCompileFinder)
+
+
+def use_source_checkout(package: str, build_dir: str) -> None:
+    """Answer for ``deepspeed.compile`` with the source package at ``package`` in this process and the processes it
+    starts (through ``DEEPSPEED_COMPILE_MODULE``), unless ``stock`` was chosen; the test suite and the benchmark of
+    a source checkout run this before anything imports ``deepspeed``. JIT builds (DeepSpeed's CPU comm op, the
+    native op) and inductor's cache stay under ``build_dir``: torch's extension cache is keyed by op name only, so
+    a cache shared with other environments could hand back another checkout's build."""
+    if os.environ.get(ENV_VAR) != "stock":
+        os.environ[ENV_VAR] = package
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(build_dir, "torch_extensions"))
+    # inductor compiles in-process (two ranks on two cores gain nothing from worker pools)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(build_dir, "inductor_cache"))
+    install()

@@ -53,6 +53,11 @@ class CompileConfig(DeepSpeedConfigModel):
     """The fused cast + all-gather: ``"native"`` (the C++ op, JIT-built at first use; an error if it cannot be
     built), ``"python"`` (torch.distributed calls), ``"auto"`` (native if it builds, else Python with one
     warning saying why)."""
+    keep_gathered_bytes: int = Field(default=0, ge=0)
+    """With ``"min_cut"``: up to this many bytes of gathered parameters (per engine) stay gathered from forward to
+    backward instead of being gathered again there: the last gathered in forward first (backward needs them first,
+    so they are held the shortest time). It trades that much memory for the backward all-gathers of those
+    parameters. 0 (the default): every parameter is gathered again in backward."""
     collective_timeout_s: float = Field(default=0.0, ge=0.0)
     """If > 0, a gather or reduce that has not completed after this many seconds raises instead of hanging."""
 

@@ -37,6 +37,7 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         "reduce_wait_seconds": c.reduce_wait_seconds,
         "live_gathered_bytes": c.live_gathered_bytes,
         "peak_gathered_bytes": c.peak_gathered_bytes,
+        "planned_peak_gathered_bytes": state.stats.planned_peak_gathered_bytes,
         "pass_seconds": dict(state.stats.pass_times),
     }
 
@@ -49,10 +50,12 @@ def collective_orders(engine) -> Optional[List[List[Tuple[str, int]]]]:
 
 
 def record_gathered_timeline(engine, on: bool = True) -> None:
-    """Start (clearing what was recorded) or stop recording live gathered bytes at every gather and release."""
+    """Start (clearing what was recorded) or stop recording live gathered bytes at every gather and release, and
+    the span of every collective (:func:`collective_spans`)."""
     runtime = runtime_of(engine)
     if runtime is not None:
         runtime.gathered_timeline = [] if on else None
+        runtime.collective_spans = [] if on else None
 
 
 def gathered_timeline(engine) -> Optional[List[Tuple[float, int]]]:
@@ -66,3 +69,10 @@ def reset_counters(engine) -> None:
     runtime = runtime_of(engine)
     if runtime is not None:
         runtime.reset_counters()
+
+
+def collective_spans(engine) -> Optional[List[Tuple[str, float, float]]]:
+    """``(kind, issued, waited for)`` in ``time.perf_counter()`` seconds for every all-gather and reduce-scatter since
+    recording started: when communication was in flight. A blocking collective is issued when its wait starts."""
+    runtime = runtime_of(engine)
+    return None if runtime is None or runtime.collective_spans is None else list(runtime.collective_spans)

@@ -23,15 +23,16 @@ from torch.fx import GraphModule
 from ..config import CompileConfig
 from ..graph import rewrite
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, placeholders
-from ..graph.recompute import tag_param_aliases_pass
+from ..graph.recompute import choose_kept_params, tag_param_aliases_pass
 from ..graph.runner import run_passes
 from ..graph.saved import SavedBytes, saved_for_backward
 from ..schedule.fast_free import fast_free_schedule
+from ..schedule.memory_plan import peak_gathered_bytes
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class CompileStats:
     """What compiling an engine's graphs found, summed over its graphs (``report.engine_report`` reads it)."""
     saved: SavedBytes = field(default_factory=SavedBytes)  # saved-for-backward bytes of the forward graphs
@@ -39,6 +40,10 @@ class CompileStats:
     # per compiled graph, in compile order: the (op, ds_id) sequence of its collectives (same on every rank)
     collective_orders: List[List[Tuple[str, int]]] = field(default_factory=list)
     pass_times: Dict[str, float] = field(default_factory=dict)  # seconds per pipeline pass
+    # the largest static-plan peak of live gathered bytes over the graphs, in-flight collectives included: the
+    # runtime's measured peak stays at or below it (up to shard padding) while no code outside the graphs gathers
+    planned_peak_gathered_bytes: int = 0
+    kept_gathered_bytes: int = 0  # of compile.keep_gathered_bytes, taken by parameters kept gathered for backward
 
 
 class GraphCompiler:
@@ -65,7 +70,10 @@ class GraphCompiler:
                 node.meta[META_DS_ID] = ds_id
         self.num_fwd_outputs = num_fwd_outputs
         if self.config.partitioner == "min_cut":
-            tag_param_aliases_pass(joint)
+            budget = self.config.keep_gathered_bytes - self.stats.kept_gathered_bytes
+            kept = choose_kept_params(joint, budget) if budget > 0 else {}
+            self.stats.kept_gathered_bytes += sum(kept.values())
+            tag_param_aliases_pass(joint, keep=frozenset(kept))
             return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                        **kwargs)
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
@@ -81,11 +89,11 @@ class GraphCompiler:
             # first-use collective order: a function of the graph alone, so identical on every rank
             passes.append(("fast_free_schedule", functools.partial(fast_free_schedule, prefetch=self.config.prefetch,
                                                                    collective_order="first_use")))
-        passes.append(("pin_gathers", rewrite.pin_gathers_pass))
         if self.runtime.gather_bucket_numel > 0:
             passes.append(("coalesce_gathers", functools.partial(rewrite.coalesce_gathers_pass,
                                                                  bucket_numel=self.runtime.gather_bucket_numel,
                                                                  add_plans=self.runtime.add_gather_plans)))
+        passes.append(("pin_gathers", rewrite.pin_gathers_pass))
         return passes
 
     def compile_forward(self, gm: GraphModule, example_inputs):
@@ -120,6 +128,7 @@ class GraphCompiler:
 
     def _finish(self, gm: GraphModule, example_inputs, *, is_backward: bool, is_inference: bool):
         self.stats.collective_orders.append(collective_order(gm))
+        self.stats.planned_peak_gathered_bytes = max(self.stats.planned_peak_gathered_bytes, peak_gathered_bytes(gm))
         if self.backend == "eager":
             return boxed_eager(gm)
         from torch._inductor.compile_fx import compile_fx_inner

@@ -17,7 +17,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..runtime.ops import GATHER, RELEASE, REDUCE
-from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, is_reduce, is_release,
+from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, gather_plan, is_gather, is_reduce, is_release,
                     output_args, output_node, placeholders, reader_outputs, size_hint)
 
 # Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
@@ -59,7 +59,7 @@ def fold_downcasts_pass(gm: GraphModule) -> GraphModule:
         if len(dtypes) != 1 or None in dtypes:
             continue
         dtype = dtypes.pop()
-        node.args = (*node.args[:3], dtype, _after(node), _plan(node))
+        node.args = (*node.args[:3], dtype, _after(node), gather_plan(node))
         node.kwargs = {}
         _set_val(node)
         for cast in list(node.users):
@@ -99,7 +99,7 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
     for node in gm.graph.nodes:
         if is_gather(node):
             if previous is not None:
-                node.args = (*node.args[:4], [previous], _plan(node))
+                node.args = (*node.args[:4], [previous], gather_plan(node))
                 node.kwargs = {}
         elif (node.op == "call_function" and not is_release(node) and not is_reduce(node)
               and isinstance(node.meta.get("val"), torch.Tensor)):
@@ -110,27 +110,27 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
 def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int,
                           add_plans: Callable[[List[Tuple[List[int], Optional[torch.dtype]]]], List[int]]
                           ) -> GraphModule:
-    """Gathers the schedule placed next to each other (nothing but releases between them) form a run, up to
-    ``bucket_numel`` elements, of one dtype. The runs are registered with the runtime (``add_plans``) in graph order
-    and the first gather of each carries its run's id: it gathers the whole run in one collective, waiting only for
-    what is not already in flight, and starts the next run's collective asynchronously, so one run is always in
-    flight ahead of use (at most ``bucket_numel`` elements more than the schedule's memory plan)."""
+    """Group the scheduled gathers into runs and gather each run in one collective, as eager ZeRO-3 prefetches up to
+    ``stage3_prefetch_bucket_size``: walking the gathers in schedule order, a run takes the following gathers of the
+    same dtype while it stays within ``bucket_numel`` elements and holds no parameter twice. Its later gathers move
+    up to its first (so a parameter may be gathered up to one bucket before its first use), then ``pin_gathers_pass``
+    makes those positions data dependencies. The runs are registered with the runtime (``add_plans``) in graph
+    order and the first gather of each carries its run's id: it gathers the whole run in one collective, waiting only
+    for what is not already in flight, and starts the next run's collective asynchronously, so one run is always in
+    flight ahead of use. The memory plan counts all of it (``schedule/memory_plan.in_flight_storages``)."""
     runs: List[List[Node]] = []
-    run: List[Node] = []
     numel = 0
-    for node in gm.graph.nodes:
-        if is_gather(node):
-            size = _numel(node)
-            if run and (gather_dtype(node) != gather_dtype(run[0]) or numel + size > bucket_numel):
-                runs.append(run)
-                run, numel = [], 0
-            run.append(node)
-            numel += size
-        elif not is_release(node):
-            runs.append(run)
-            run, numel = [], 0
-    runs.append(run)
-    runs = [r for r in runs if r]
+    for node in [n for n in gm.graph.nodes if is_gather(n)]:
+        size = _numel(node)
+        run = runs[-1] if runs else None
+        if run is None or gather_dtype(node) != gather_dtype(run[0]) or numel + size > bucket_numel \
+                or node.args[2] in {g.args[2] for g in run}:
+            runs.append([node])
+            numel = size
+            continue
+        run[-1].append(node)  # moves the gather up, right behind the run's previous one
+        run.append(node)
+        numel += size
     plan_ids = add_plans([([g.args[2] for g in r], gather_dtype(r[0])) for r in runs])
     for run, plan_id in zip(runs, plan_ids):
         first = run[0]
@@ -141,10 +141,6 @@ def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int,
 
 def _after(gather: Node) -> List[Node]:
     return list(gather.args[4] if len(gather.args) > 4 else gather.kwargs.get("after", []))
-
-
-def _plan(gather: Node) -> int:
-    return gather.args[5] if len(gather.args) > 5 else gather.kwargs.get("plan", 0)
 
 
 def _numel(gather: Node) -> int:

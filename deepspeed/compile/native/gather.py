@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 NATIVE_MODES = ("auto", "native", "python")
 OPTION = "compile.native_op"
 OP_NAME = "dsc_native::cast_all_gather"
+START_OP_NAME = "dsc_native::cast_all_gather_start"
 
 CastAllGather = Callable[..., Tensor]
 
@@ -43,7 +44,10 @@ def _load_library() -> Tuple[bool, str]:
         return False, f"{type(err).__name__}: {err}"
     if not hasattr(torch.ops.dsc_native, "cast_all_gather"):
         return False, f"the library was loaded but did not register {OP_NAME}"
+    if not hasattr(torch.ops.dsc_native, "cast_all_gather_start"):
+        return False, f"the library was loaded but did not register {START_OP_NAME}"
     torch.library.register_fake(OP_NAME)(_fake_cast_all_gather)
+    torch.library.register_fake(START_OP_NAME)(_fake_cast_all_gather)
     return True, ""
 
 
@@ -98,6 +102,32 @@ def cast_all_gather(shard: Tensor, dtype: Optional[torch.dtype], group: Optional
     # detach: the op has no autograd formula, and the shard of a ZeRO-3 parameter is data, not a graph input
     return torch.ops.dsc_native.cast_all_gather(shard.detach(), dtype, _group_name(group), world_size,
                                                 _timeout_ms(timeout))
+
+
+class InFlight:
+    """A native all-gather started by ``cast_all_gather_start``: ``wait()`` completes it (torch's ``wait_tensor``,
+    which finds the work c10d registered under the buffer) and ``flat`` is then the gathered buffer. The
+    collective's own timeout (``timeout_ms``) bounds the wait."""
+
+    def __init__(self, flat: Tensor):
+        self.flat = flat
+        self._done = False
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        if not self._done:
+            torch.ops._c10d_functional.wait_tensor(self.flat)
+            self._done = True
+        return True
+
+
+def cast_all_gather_start(shard: Tensor, dtype: Optional[torch.dtype], group: Optional[dist.ProcessGroup],
+                          world_size: int, timeout: Optional[datetime.timedelta] = None) -> InFlight:
+    """Native start form of :func:`cast_all_gather`: the cast and the collective are issued, not waited for."""
+    reason = native_op_error()
+    if reason is not None:
+        raise RuntimeError(f"native {START_OP_NAME} is unavailable: {reason}")
+    return InFlight(torch.ops.dsc_native.cast_all_gather_start(shard.detach(), dtype, _group_name(group), world_size,
+                                                               _timeout_ms(timeout)))
 
 
 def cast_all_gather_python(shard: Tensor, dtype: Optional[torch.dtype], group: Optional[dist.ProcessGroup],

@@ -19,7 +19,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import Tensor
 from torch.nn import Parameter
 
-from ..native.gather import cast_all_gather_python, load_native, wait_for
+from ..native.gather import cast_all_gather_python, cast_all_gather_start, load_native, wait_for
 from . import registry, standins
 from .eager_access import EagerAccess
 
@@ -66,10 +66,11 @@ class _Plan:
 @dataclass
 class _Started:
     work: object
-    send: Tensor  # kept alive until the collective is done
-    recv: Tensor
+    send: Optional[Tensor]  # kept alive until the collective is done
+    recv: Optional[Tensor]
     members: List[Parameter]
     dtype: torch.dtype
+    issued: float  # time.perf_counter() when the collective was started
 
 
 @dataclass
@@ -78,6 +79,7 @@ class _PendingReduce:
     buffer: Tensor  # the bucket buffer it sends from: not reused until the collective is done
     recv: Tensor
     items: List[Tuple[Parameter, int]]
+    issued: float
 
 
 class Z3Runtime:
@@ -109,9 +111,12 @@ class Z3Runtime:
         native = load_native(native_op)
         self.gather_path = "native" if native is not None else "python"
         self._cast_all_gather = native or cast_all_gather_python
+        self._native_start = native is not None  # coalesced gathers start through the native op's start form
         self.counters = Counters()
         # (time.perf_counter(), live gathered bytes) at every change, while recording (report.py)
         self.gathered_timeline: Optional[List[Tuple[float, int]]] = None
+        # (kind, issued, waited for) of every collective, while recording: when communication was in flight
+        self.collective_spans: Optional[List[Tuple[str, float, float]]] = None
         self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
         self._buckets: Dict[torch.dtype, _Bucket] = {}
         self._bucket_buffers: Dict[torch.dtype, List[Tensor]] = {}
@@ -183,13 +188,14 @@ class Z3Runtime:
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
         with self._timeout_named(lambda: f"the all-gather of parameter {self.eager.name(param)}"):
             flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.timeout)
-        self.counters.gather_seconds += time.perf_counter() - start
+        self._collective_done("all-gather", start)
         self.counters.allgather_collectives += 1
         return self._add_gathered(param, dtype, flat, refs=1)
 
     def _run_plan(self, plan_id: int) -> None:
         """This run's parameters gathered (waiting for the collective started ahead, or one coalesced collective
-        now), then the next run's collective started without waiting."""
+        now), then the next run's collective started without waiting. Its receive buffer counts as live gathered
+        bytes from now on, as the static memory plan counts it (``schedule/memory_plan.in_flight_storages``)."""
         plan = self.gather_plans[plan_id - 1]
         inflight = self._inflight.pop(plan_id, None)
         if inflight is not None:
@@ -214,12 +220,19 @@ class Z3Runtime:
         return groups
 
     def _start_coalesced(self, members: List[Parameter], dtype: torch.dtype) -> "_Started":
-        """One all-gather for several parameters, started: each rank sends its shards back to back (cast first)."""
-        send = torch.cat([p.ds_tensor.reshape(-1).to(dtype) for p in members])  # the cast, before sending
-        recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
-        work = dist.all_gather_into_tensor(recv.view(-1), send, group=self.group, async_op=True)
+        """One all-gather for several parameters, started: each rank sends its shards back to back, cast first (by the
+        native op's start form, or while concatenating them)."""
+        if self._native_start:
+            send = torch.cat([p.ds_tensor.reshape(-1) for p in members])
+            work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.timeout)
+            recv = work.flat.view(self.world_size, -1)
+        else:
+            send = torch.cat([p.ds_tensor.reshape(-1).to(dtype) for p in members])  # the cast, before sending
+            recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
+            work = dist.all_gather_into_tensor(recv.view(-1), send, group=self.group, async_op=True)
         self.counters.allgather_collectives += 1
-        return _Started(work, send, recv, members, dtype)
+        self._add_live_bytes(recv.numel() * recv.element_size(), eager=False)
+        return _Started(work, send, recv, members, dtype, time.perf_counter())
 
     def _finish_coalesced(self, started: "_Started") -> None:
         """Wait for a started all-gather (the exposed part of its time is counted), then copy each parameter out
@@ -228,13 +241,16 @@ class Z3Runtime:
         start = time.perf_counter()
         self._wait(started.work,
                    lambda: "the all-gather of parameters " + ", ".join(self.eager.name(p) for p in started.members))
-        self.counters.gather_seconds += time.perf_counter() - start
+        self._collective_done("all-gather", start, started.issued)
         offset = 0
         for param in started.members:
             width = param.ds_tensor.numel()
             flat = started.recv[:, offset:offset + width].reshape(-1)  # rows -> one contiguous buffer (a copy)
             offset += width
             self._add_gathered(param, started.dtype, flat, refs=0)
+        # the receive buffer is freed here (the copies above were live beside it)
+        self._add_live_bytes(-started.recv.numel() * started.recv.element_size(), eager=False)
+        started.send = started.recv = None
 
     def _add_gathered(self, param: Parameter, dtype: torch.dtype, flat: Tensor, refs: int) -> Tensor:
         full = flat.narrow(0, 0, param.ds_numel).view(param.ds_shape)
@@ -261,14 +277,27 @@ class Z3Runtime:
                 entry.tensor.untyped_storage().resize_(0)
             self.counters.live_gathered_bytes -= entry.nbytes
 
-    def _add_live_bytes(self, nbytes: int) -> None:
+    def _add_live_bytes(self, nbytes: int, eager: bool = True) -> None:
+        """Live gathered bytes change by ``nbytes``: a parameter gathered (> 0) or partitioned (< 0) for eager code,
+        or, with ``eager=False``, a coalesced collective's receive buffer allocated or freed."""
         c = self.counters
-        if nbytes > 0:
+        if nbytes > 0 and eager:
             c.eager_gathers += 1
             c.allgather_bytes += nbytes
         c.live_gathered_bytes += nbytes
         c.peak_gathered_bytes = max(c.peak_gathered_bytes, c.live_gathered_bytes)
         self._record_live()
+
+    def _collective_done(self, kind: str, waited_from: float, issued: Optional[float] = None) -> None:
+        """A collective's wait returned: its exposed time (``waited_from`` to now) is counted; while recording, its
+        span from issue to the end of its wait is kept."""
+        now = time.perf_counter()
+        if kind == "all-gather":
+            self.counters.gather_seconds += now - waited_from
+        else:
+            self.counters.reduce_wait_seconds += now - waited_from
+        if self.collective_spans is not None:
+            self.collective_spans.append((kind, waited_from if issued is None else issued, now))
 
     def _record_live(self) -> None:
         if self.gathered_timeline is not None:
@@ -382,14 +411,14 @@ class Z3Runtime:
         work = dist.reduce_scatter_tensor(recv, send.view(-1), group=self.group, async_op=True)
         self.counters.reduce_scatter_bytes += send.numel() * send.element_size()
         self.counters.reduce_collectives += 1
-        self._pending_reduces.append(_PendingReduce(work, bucket.buffer, recv, bucket.items))
+        self._pending_reduces.append(_PendingReduce(work, bucket.buffer, recv, bucket.items, time.perf_counter()))
 
     def _finish_reduces(self) -> None:
         while self._pending_reduces:
             pending = self._pending_reduces.pop(0)
             start = time.perf_counter()
             self._wait(pending.work, lambda: f"a gradient reduce-scatter ({len(pending.items)} parameters)")
-            self.counters.reduce_wait_seconds += time.perf_counter() - start
+            self._collective_done("reduce-scatter", start, pending.issued)
             self._hand_to_optimizer(pending.items, pending.recv)
 
     def _hand_to_optimizer(self, items: List[Tuple[Parameter, int]], recv: Tensor) -> None:

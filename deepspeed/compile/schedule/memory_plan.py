@@ -4,7 +4,10 @@ Every number here comes from the graph's own tensor metadata (``node.meta["val"]
 A *storage* is a tensor that owns memory; views and other aliases share their base's storage and are never
 counted twice (the vocabulary of aliases, storage roots and bytes is ``graph/nodes.py``'s). A storage is live from the node that creates it to the last node
 that reads it or any of its aliases; a gathered parameter therefore lives from its ``gather_param`` to its
-``release_param``. Graph inputs are resident for the whole graph and are reported apart.
+``release_param``. A coalesced run of gathers is live from its first gather, and the receive buffer of the run
+started ahead is counted from its start to its copy-out (:func:`in_flight_storages`): the plan bounds what the
+runtime really holds, in-flight collectives included. Graph inputs are resident for the whole graph and are
+reported apart.
 """
 import dataclasses
 import logging
@@ -13,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.fx import Graph, GraphModule, Node
 
-from ..graph.nodes import is_gather, is_reduce, is_release, storage_roots, tensor_bytes
+from ..graph.nodes import gather_runs, is_gather, is_reduce, is_release, storage_roots, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ def find_storages(order: Sequence[Node]) -> List[Storage]:
     roots = storage_roots(order)
     members = alias_members(order, roots)
     gradient_roots = {roots[n.args[0]] for n in order if is_reduce(n) and isinstance(n.args[0], Node)}
+    runs = gather_runs(order)
+    run_start = {gather: pos[run[0]] for run in runs for gather in run}
     storages = []
     for root, group in members.items():
         if root.op == "output" or is_release(root) or is_reduce(root):
@@ -78,11 +83,27 @@ def find_storages(order: Sequence[Node]) -> List[Storage]:
             kind, birth, death = INPUT, 0, len(order) - 1  # owned by the caller: resident throughout
         elif is_gather(root):
             kind = GATHERED
+            birth = run_start.get(root, birth)  # a coalesced run is gathered whole at its first gather
         elif root in gradient_roots:
             kind = GRADIENT
         else:
             kind = ACTIVATION
         storages.append(Storage(root, kind, nbytes, birth, death))
+    storages.extend(in_flight_storages(runs, pos))
+    return storages
+
+
+def in_flight_storages(runs: List[List[Node]], pos: Dict[Node, int]) -> List[Storage]:
+    """The receive buffers of coalesced gathers. The runtime starts run k+1's collective when run k is gathered and
+    copies its parameters out when run k+1's first gather runs: that buffer is live from run k's first gather to
+    run k+1's, where it and the parameters' own copies are live at once. The first run is gathered when it is
+    needed (in one collective if it has several members): its buffer is live at its first gather only."""
+    storages = []
+    for k, run in enumerate(runs):
+        if k == 0 and len(run) == 1:
+            continue  # a lone parameter is gathered by its own op, straight into its buffer
+        birth = pos[runs[k - 1][0]] if k else pos[run[0]]
+        storages.append(Storage(run[0], GATHERED, sum(tensor_bytes(g) for g in run), birth, pos[run[0]]))
     return storages
 
 

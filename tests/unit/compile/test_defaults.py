@@ -90,13 +90,15 @@ def test_default_settings_train_exactly_with_a_model_sized_bucket():
 
 
 def _coalesced_both_backends(steps):
-    overrides = {"stage3_param_persistence_threshold": 0}
+    # a prefetch bucket below one block's parameters, so that each graph has several runs (at the default 5e7
+    # elements each graph of this model is one run)
+    overrides = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 20000}
     return {backend: _defaults(steps, overrides, backend) for backend in ("eager", "inductor")}
 
 
 def test_coalesced_async_gathers_same_order_on_every_rank_both_backends():
-    """Nothing persistent, DeepSpeed's default stage3_prefetch_bucket_size (5e7 elements): gathers the schedule
-    placed next to each other share one collective, and each run's collective starts the next run's ahead. The
+    """Nothing persistent, a prefetch bucket of 2e4 elements: consecutive gathers share one collective up to the
+    bucket, and each run's collective starts the next run's ahead. The
     runs, and which starts which, are a function of the graph: identical on both ranks (a difference would hang or
     mix up collectives). Eager backend: bitwise equal to eager ZeRO-3. Inductor runs the same ops: fp32 losses
     within 1e-5 relative (fused kernels round differently; its parameters are compared under SGD in

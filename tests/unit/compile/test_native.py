@@ -74,7 +74,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # ----- rank functions (module level: each rank imports them by name) ---------------------------------------
 def _rank_native_matches_python(dtype_names: List[str], numels: Tuple[int, ...]) -> Dict[str, int]:
     import torch.distributed as dist
-    from deepspeed.compile.native import cast_all_gather_python, load_native
+    from deepspeed.compile.native import cast_all_gather_python, cast_all_gather_start, load_native
 
     native = load_native("native")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -95,6 +95,13 @@ def _rank_native_matches_python(dtype_names: List[str], numels: Tuple[int, ...])
                 # and both are the cast of the full parameter (padding trimmed), shard by shard
                 assert torch.equal(_bits(out_native[:numel]), _bits(param.to(dtype))), (numel, name)
                 assert not torch.any(out_native[numel:]), "padding must gather as zeros"
+                # the start form: two collectives in flight at once, waited for in the other order
+                first = cast_all_gather_start(shard, dtype, group, world_size)
+                second = cast_all_gather_start(shard * 2, dtype, group, world_size)
+                assert second.wait() and first.wait()
+                assert torch.equal(_bits(first.flat), _bits(out_python)), (numel, name)
+                assert torch.equal(_bits(second.flat), _bits(cast_all_gather_python(shard * 2, dtype, group,
+                                                                                      world_size))), (numel, name)
             checked[f"{numel}/{name}"] = out_native.numel()
     # dtype None keeps the shard's dtype; a timeout (in ms on the C++ side) is accepted
     import datetime
@@ -111,6 +118,11 @@ def _rank_opcheck(dtype_names: List[Optional[str]]) -> Dict[str, Dict[str, str]]
     op = torch.ops.dsc_native.cast_all_gather.default
     group_name, world_size = dist.group.WORLD.group_name, dist.get_world_size()
     results = {}
+    # the start form's fake implementation and schema (its output is waited for by torch's wait_tensor)
+    start = torch.ops.dsc_native.cast_all_gather_start.default
+    flat = start(torch.randn(19), torch.bfloat16, group_name, world_size)
+    torch.ops._c10d_functional.wait_tensor(flat)
+    assert flat.shape == (19 * world_size, ) and flat.dtype == torch.bfloat16
     for name in dtype_names:
         dtype = None if name is None else DTYPES[name]
         for requires_grad in (False, True):
