@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from benchmarks import compile_profile  # noqa: E402
 from benchmarks.plots import config_name, file_stem, plot_all  # noqa: E402
 from benchmarks.worker import DTYPES, ROWS  # noqa: E402
 
@@ -153,6 +154,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "out", "bench"))
     p.add_argument("--progress", action="store_true", help="show each step of each configuration")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--compile-profile", action="store_true",
+                   help="also print where each configuration's first step went (dynamo, AOTAutograd, our passes, "
+                        "inductor phases, C++ compile): benchmarks/compile_profile.py")
     p.add_argument("--cold-compile", action="store_true",
                    help="a fresh, empty inductor cache for every configuration (fair first-step compile times)")
     args = p.parse_args(argv)
@@ -182,6 +186,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print()
     print(f"## {args.model} ({args.size}), {args.nproc} CPU ranks, {args.steps} timed steps\n")
     print(table(results))
+    if args.compile_profile:
+        print(f"\n### First step, by compile phase (rank 0, exclusive seconds)\n\n{compile_profile.table(results)}")
     json_path = os.path.join(args.out, f"results_{args.model}.json")
     with open(json_path, "w") as f:
         json.dump({"args": vars(args), "loss_rtol": LOSS_RTOL, "results": results}, f, indent=1)

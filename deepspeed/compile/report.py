@@ -39,6 +39,7 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         "peak_gathered_bytes": c.peak_gathered_bytes,
         "planned_peak_gathered_bytes": state.stats.planned_peak_gathered_bytes,
         "pass_seconds": dict(state.stats.pass_times),
+        "compile_seconds": dict(state.stats.compile_seconds),
     }
 
 

@@ -12,6 +12,7 @@ compiles for owns communication and buffers only.
 import copy
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -43,6 +44,8 @@ class CompileStats:
     # the largest static-plan peak of live gathered bytes over the graphs, in-flight collectives included: the
     # runtime's measured peak stays at or below it (up to shard padding) while no code outside the graphs gathers
     planned_peak_gathered_bytes: int = 0
+    # seconds in the forward / backward graph compilers (our passes and the backend's compile), per direction
+    compile_seconds: Dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
     kept_gathered_bytes: int = 0  # of compile.keep_gathered_bytes, taken by parameters kept gathered for backward
 
 
@@ -97,6 +100,13 @@ class GraphCompiler:
         return passes
 
     def compile_forward(self, gm: GraphModule, example_inputs):
+        start = time.perf_counter()
+        try:
+            return self._compile_forward(gm, example_inputs)
+        finally:
+            self.stats.compile_seconds["forward"] += time.perf_counter() - start
+
+    def _compile_forward(self, gm: GraphModule, example_inputs):
         gm = run_passes(gm, self._common_passes(), self.stats.pass_times)
         self.escaped = rewrite.escaped_saved_names(gm)
         inference = self.num_fwd_outputs is None  # no partition ran: nothing is saved for backward
@@ -109,6 +119,7 @@ class GraphCompiler:
         """AOTAutograd compiles backward lazily, inside the first ``backward()``: past the backend's own fallback.
         A failure here returns the engine to eager ZeRO-3 for the next steps and says that this step's backward
         is lost."""
+        start = time.perf_counter()
         try:
             return self._compile_backward(gm, example_inputs)
         except Exception as err:
@@ -117,6 +128,8 @@ class GraphCompiler:
             raise RuntimeError(f"deepspeed-compile: compiling a backward graph failed ({type(err).__name__}: {err}). "
                                "This step's backward cannot run: skip it (do not call engine.step()); the engine "
                                "runs uncompiled eager ZeRO-3 from the next forward on") from err
+        finally:
+            self.stats.compile_seconds["backward"] += time.perf_counter() - start
 
     def _compile_backward(self, gm: GraphModule, example_inputs):
         rewrite.mark_escaped_inputs(gm, self.escaped)
