@@ -108,11 +108,12 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
 
 
 def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int,
-                          add_plans: Callable[[List[Tuple[List[int], Optional[torch.dtype]]]], List[int]]
+                          add_plans: Callable[[List[List[Tuple[int, Optional[torch.dtype]]]]], List[int]]
                           ) -> GraphModule:
     """Group the scheduled gathers into runs and gather each run in one collective, as eager ZeRO-3 prefetches up to
-    ``stage3_prefetch_bucket_size``: walking the gathers in schedule order, a run takes the following gathers of the
-    same dtype while it stays within ``bucket_numel`` elements and holds no parameter twice. Its later gathers move
+    ``stage3_prefetch_bucket_size``: walking the gathers in schedule order, a run takes the following gathers while it
+    stays within ``bucket_numel`` elements and holds no parameter twice (members of several gather dtypes, as under
+    autocast, go out as one collective per dtype). Its later gathers move
     up to its first (so a parameter may be gathered up to one bucket before its first use), then ``pin_gathers_pass``
     makes those positions data dependencies. The runs are registered with the runtime (``add_plans``) in graph
     order and the first gather of each carries its run's id: it gathers the whole run in one collective, waiting only
@@ -123,15 +124,14 @@ def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int,
     for node in [n for n in gm.graph.nodes if is_gather(n)]:
         size = _numel(node)
         run = runs[-1] if runs else None
-        if run is None or gather_dtype(node) != gather_dtype(run[0]) or numel + size > bucket_numel \
-                or node.args[2] in {g.args[2] for g in run}:
+        if run is None or numel + size > bucket_numel or node.args[2] in {g.args[2] for g in run}:
             runs.append([node])
             numel = size
             continue
         run[-1].append(node)  # moves the gather up, right behind the run's previous one
         run.append(node)
         numel += size
-    plan_ids = add_plans([([g.args[2] for g in r], gather_dtype(r[0])) for r in runs])
+    plan_ids = add_plans([[(g.args[2], gather_dtype(g)) for g in r] for r in runs])
     for run, plan_id in zip(runs, plan_ids):
         first = run[0]
         first.args = (*first.args[:4], _after(first), plan_id)

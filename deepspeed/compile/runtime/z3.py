@@ -58,8 +58,7 @@ class _Bucket:
 
 @dataclass
 class _Plan:
-    ds_ids: Tuple[int, ...]  # a run of gathers the schedule placed next to each other: one collective
-    dtype: Optional[torch.dtype]  # their gather dtype (None: each parameter's own)
+    members: Tuple[Tuple[int, Optional[torch.dtype]], ...]  # (ds_id, gather dtype or None: its own) of a run
     next: int  # the following run of the same graph (0: none), started when this one is waited for
 
 
@@ -162,13 +161,14 @@ class Z3Runtime:
             raise TimeoutError(f"deepspeed-compile: {what()} did not complete within {self.timeout} "
                                f"(compile.collective_timeout_s): a rank did not join it ({err})") from err
 
-    def add_gather_plans(self, runs: Sequence[Tuple[Sequence[int], Optional[torch.dtype]]]) -> List[int]:
-        """Register the gather runs of one graph, in order (see ``ops.gather_param``); returns their ids. Each
-        run's collective also starts the next run's, asynchronously: one run is in flight ahead of use."""
+    def add_gather_plans(self, runs: Sequence[Sequence[Tuple[int, Optional[torch.dtype]]]]) -> List[int]:
+        """Register the gather runs of one graph, in order, each as its ``(ds_id, dtype)`` members (see
+        ``ops.gather_param``); returns their ids. Each run's collective also starts the next run's, asynchronously:
+        one run is in flight ahead of use."""
         first = len(self.gather_plans) + 1
-        for i, (ds_ids, dtype) in enumerate(runs):
+        for i, members in enumerate(runs):
             following = first + i + 1 if i + 1 < len(runs) else 0
-            self.gather_plans.append(_Plan(tuple(ds_ids), dtype, following))
+            self.gather_plans.append(_Plan(tuple(members), following))
         return list(range(first, first + len(runs)))
 
     def gather(self, ds_id: int, dtype: Optional[torch.dtype], plan: int = 0) -> Tensor:
@@ -210,11 +210,11 @@ class Z3Runtime:
             self._inflight[plan.next] = [self._start_coalesced(m, d) for d, m in following.items()]
 
     def _missing(self, plan: "_Plan") -> Dict[torch.dtype, List[Parameter]]:
-        """The plan's parameters not gathered yet, by the dtype they are gathered in."""
+        """The plan's parameters not gathered yet, by the dtype they are gathered in (one collective per dtype)."""
         groups: Dict[torch.dtype, List[Parameter]] = {}
-        for ds_id in plan.ds_ids:
+        for ds_id, dtype in plan.members:
             param = self.params[ds_id]
-            dtype = plan.dtype or param.ds_tensor.dtype
+            dtype = dtype or param.ds_tensor.dtype
             if (ds_id, dtype) not in self._gathered:
                 groups.setdefault(dtype, []).append(param)
         return groups
