@@ -1,4 +1,5 @@
-"""Engine-facing helpers that DeepSpeed's engine imports from ``deepspeed.compile.util`` at import time.
+"""Engine adapter (stock ``engine.py`` imports it by name, at ``import deepspeed``): support check, the native
+handle the engine initializes, and the backward prologue / epilogue of the engines' runtimes.
 
 Everything here must import without CUDA or a built native op.
 """

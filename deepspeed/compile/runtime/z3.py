@@ -25,6 +25,8 @@ from .eager_access import EagerAccess
 
 log = logging.getLogger(__name__)
 
+GATHER_CHUNK_NUMEL = 1 << 20
+
 
 @dataclass
 class Counters:
@@ -102,6 +104,9 @@ class Z3Runtime:
         self.bucket_numel = int(engine.zero_reduce_bucket_size())
         # adjacent gathers of a graph go out as one collective of at most this many elements (0: never coalesce)
         self.gather_bucket_numel = int(engine.zero_prefetch_bucket_size())
+        # a run's collective goes out in chunks of about this many gathered elements (see _start_chunks): 2^20 (4 MiB
+        # of fp32) amortizes a collective's fixed cost and keeps the copy-out transient to a few MiB
+        self.gather_chunk_numel = GATHER_CHUNK_NUMEL
         self.gather_plans: List[_Plan] = []  # gather runs, written by the compiler, read by the gather ops
         self._inflight: Dict[int, List[_Started]] = {}  # plan id -> its all-gathers started ahead
         self.input_cast_hook = None  # fp16 auto_cast: the engine's input cast, as a forward pre-hook (init_z3)
@@ -198,16 +203,16 @@ class Z3Runtime:
         bytes from now on, as the static memory plan counts it (``schedule/memory_plan.in_flight_storages``)."""
         plan = self.gather_plans[plan_id - 1]
         inflight = self._inflight.pop(plan_id, None)
-        if inflight is not None:
-            for started in inflight:
-                self._finish_coalesced(started)
-        else:
-            for dtype, members in self._missing(plan).items():
-                if len(members) > 1:  # a lone parameter takes the gather op's own (possibly native) path
-                    self._finish_coalesced(self._start_coalesced(members, dtype))
+        if inflight is None:  # nothing started ahead: gather the run now (a lone parameter takes its op's own path)
+            inflight = [started for dtype, members in self._missing(plan).items() if len(members) > 1
+                        for started in self._start_chunks(members, dtype)]
+        for started in inflight:  # chunk by chunk: each receive buffer is freed as soon as it is copied out
+            self._finish_coalesced(started)
+        del inflight
         if plan.next and plan.next not in self._inflight:
             following = self._missing(self.gather_plans[plan.next - 1])
-            self._inflight[plan.next] = [self._start_coalesced(m, d) for d, m in following.items()]
+            self._inflight[plan.next] = [started for dtype, members in following.items()
+                                         for started in self._start_chunks(members, dtype)]
 
     def _missing(self, plan: "_Plan") -> Dict[torch.dtype, List[Parameter]]:
         """The plan's parameters not gathered yet, by the dtype they are gathered in (one collective per dtype)."""
@@ -218,6 +223,21 @@ class Z3Runtime:
             if (ds_id, dtype) not in self._gathered:
                 groups.setdefault(dtype, []).append(param)
         return groups
+
+    def _start_chunks(self, members: List[Parameter], dtype: torch.dtype) -> List["_Started"]:
+        """A run's collectives, started: members in order, split into chunks of about ``gather_chunk_numel``
+        gathered elements. Copying a run out of one receive buffer would hold the run twice; chunk by chunk it holds
+        the run and one chunk."""
+        chunks: List[List[Parameter]] = [[]]
+        numel = 0
+        for param in members:
+            width = param.ds_tensor.numel() * self.world_size
+            if chunks[-1] and numel + width > self.gather_chunk_numel:
+                chunks.append([])
+                numel = 0
+            chunks[-1].append(param)
+            numel += width
+        return [self._start_coalesced(chunk, dtype) for chunk in chunks]
 
     def _start_coalesced(self, members: List[Parameter], dtype: torch.dtype) -> "_Started":
         """One all-gather for several parameters, started: each rank sends its shards back to back, cast first (by the
