@@ -64,18 +64,39 @@ def test_bad_schedule_and_backend_are_refused():
 # ----- 2 ranks ---------------------------------------------------------------------------------------------
 
 def _train_zero3_deepcompile():
-    from deepspeed.compile.report import engine_report
+    import torch
+    from deepspeed.compile.passes import prefetch
+    from deepspeed.compile.report import collective_spans, engine_report, record_gathered_timeline
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
     from models import ds_config
     from training import make_engine, train
     engine = make_engine("mlp", ds_config(3, {"deepcompile": True}))
-    losses = train(engine, "mlp", 8, compile_kwargs={"backend": "eager"})
-    return losses, engine.is_deepcompile_active(), engine_report(engine)
+    wrapped = torch.nn.functional.linear is zero3_linear_wrap  # ZeRO-3 installs its wrapper for the process
+    losses = train(engine, "mlp", 7, compile_kwargs={"backend": "eager"})
+    record_gathered_timeline(engine)
+    losses += train(engine, "mlp", 1, first_step=7)
+    out = {"wrapped_before": wrapped, "wrapped_after": torch.nn.functional.linear is zero3_linear_wrap,
+           "pass_times": dict(engine.get_compile_time()), "spans": collective_spans(engine)}
+    engine.register_compile_pass(prefetch.NAME, prefetch.schedule_prefetch, prefetch.CONTRACT)  # stock: accepted
+    try:
+        engine.register_compile_pass("my_pass", lambda gm: gm)
+    except ValueError as err:
+        out["custom_pass_error"] = str(err)
+    return losses, engine.is_deepcompile_active(), engine_report(engine), out
 
 
 def test_zero3_deepcompile_initializes_and_trains():
     from compare import loss_fell
-    for losses, active, report in run_distributed(_train_zero3_deepcompile):
+    for losses, active, report, out in run_distributed(_train_zero3_deepcompile):
         assert active, "the engine does not run DeepCompile"
+        # ZeRO-3's F.linear wrapper stays installed for the whole process (dynamo traces it as linear inside our
+        # graphs: one graph, no break), and the engine's compile-time view shows this engine's passes
+        assert out["wrapped_before"] and out["wrapped_after"], out
+        assert {"insert_releases", "fast_free_schedule", "insert_reduces"} <= set(out["pass_times"]), out
+        assert "my_pass" in out.get("custom_pass_error", ""), out
+        # one recorded step: every collective's span, issued before its wait ended
+        kinds = {kind for kind, _, _ in out["spans"]}
+        assert kinds == {"all-gather", "reduce-scatter"} and all(a <= b for _, a, b in out["spans"]), out["spans"]
         # the graphs this module compiled did the work: gathers in forward and backward, reduces in backward
         assert report is not None and report["graphs_compiled"] == 1, report  # one forward graph
         assert report["gathers"] > 0 and report["reduces"] > 0 and report["live_gathered_bytes"] == 0, report
