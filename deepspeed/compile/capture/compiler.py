@@ -24,6 +24,7 @@ from torch.fx import GraphModule
 from ..config import CompileConfig
 from ..graph import rewrite
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, placeholders
+from ..runtime.ops import PLAIN_CALLS
 from ..graph.recompute import choose_kept_params, tag_param_aliases_pass
 from ..graph.runner import run_passes
 from ..graph.saved import SavedBytes, saved_for_backward
@@ -157,7 +158,12 @@ class GraphCompiler:
 def boxed_eager(gm: GraphModule) -> Callable:
     """Run the graph with the boxed calling convention: the generated code takes the argument list, clears it,
     and drops each input after its last use. Without this a backward graph keeps every saved activation alive
-    until it returns (``make_boxed_func`` holds the list), where eager autograd frees them as it goes."""
+    until it returns (``make_boxed_func`` holds the list), where eager autograd frees them as it goes.
+    Our ops are called as the plain functions behind them: nothing traces or differentiates this graph any more, so
+    the dispatcher's custom-op path (schema defaults, autograd wrapper, redispatch) would be pure overhead."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in PLAIN_CALLS:
+            node.target = PLAIN_CALLS[node.target]
     gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())  # torch's own codegen for this convention
     gm.recompile()
 

@@ -26,6 +26,13 @@ def gather_param(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[t
     one starts (``coalesce_gathers_pass``): the run is gathered in one collective and the next run's collective is
     started ahead. An id, not a list of parameters: inductor's generated code drops the contents of list
     arguments."""
+    return run_gather(standin, runtime_id, ds_id, dtype, after, plan)
+
+
+def run_gather(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype], after: List[Tensor],
+               plan: int) -> Tensor:
+    """What ``gather_param`` does, as a plain function: the eager backend's final graphs call it directly
+    (``PLAIN_CALLS``), past the dispatcher, since nothing traces or differentiates them any more."""
     return registry.lookup(runtime_id).gather(ds_id, dtype, plan)
 
 
@@ -53,6 +60,10 @@ def release_param(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Ten
     """Drop one reference to the gathered parameter; the last one frees its storage. ``after`` are the outputs
     of every op that reads the gathered tensor or its views: a data dependency, so no backend's scheduler can
     run the release before a reader (inductor does not order a mutation after fused readers by itself)."""
+    run_release(gathered, runtime_id, ds_id, after)
+
+
+def run_release(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> None:
     registry.lookup(runtime_id).release(ds_id, gathered)
 
 
@@ -64,6 +75,10 @@ def _(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> Non
 @torch.library.custom_op("dsc::reduce_grad", mutates_args=("grad",))
 def reduce_grad(grad: Tensor, runtime_id: int, ds_id: int) -> None:
     """Queue the full gradient of parameter ``ds_id`` for a bucketed reduce-scatter into its ZeRO partition."""
+    run_reduce(grad, runtime_id, ds_id)
+
+
+def run_reduce(grad: Tensor, runtime_id: int, ds_id: int) -> None:
     registry.lookup(runtime_id).reduce(ds_id, grad)
 
 
@@ -75,3 +90,6 @@ def _(grad: Tensor, runtime_id: int, ds_id: int) -> None:
 GATHER = torch.ops.dsc.gather_param.default
 RELEASE = torch.ops.dsc.release_param.default
 REDUCE = torch.ops.dsc.reduce_grad.default
+
+# each op's plain function, for graphs that run as Python (the eager backend) once every pass is done
+PLAIN_CALLS = {GATHER: run_gather, RELEASE: run_release, REDUCE: run_reduce}
