@@ -35,7 +35,6 @@ from benchmarks.memory import live_tensor_bytes, mark, step_peak, trace_memory  
 from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_count  # noqa: E402
 from benchmarks.saved import saved_bytes  # noqa: E402
 
-DEFAULT_PREFETCH_NUMEL = 5 * 10**7  # DeepSpeed's stage3_prefetch_bucket_size
 ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-default", "fsdp2", "fsdp2+compile")
 DTYPES = ("fp32", "bf16", "autocast")
 LR = 1e-3
@@ -84,9 +83,7 @@ def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[S
         section = {"deepcompile": True, "partitioner": "default" if args.row == "ours-default" else "min_cut"}
     config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section, args.zero_settings)
     if args.row == "ours-mincut+keep":
-        # keep what backward's first run of gathers would gather again at once: one prefetch bucket of fp32
-        prefetch = config["zero_optimization"].get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH_NUMEL)
-        section["keep_gathered_bytes"] = int(prefetch) * 4
+        section["keep_gathered_bytes"] = "prefetch"  # about what backward's first run would gather again at once
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     if args.row != "zero3":
         engine.compile(backend=args.backend)

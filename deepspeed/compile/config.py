@@ -5,10 +5,11 @@ DeepSpeed's engine reads several stock fields directly (``deepcompile``, ``autoe
 implement are reported by :func:`unimplemented_options` and handled at ``engine.compile()``. Unknown keys are
 rejected by ``DeepSpeedConfigModel`` (pydantic, ``extra="forbid"``) at ``deepspeed.initialize``.
 """
-from typing import List, Literal, Optional
+from typing import List, Literal, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field
+from typing_extensions import Annotated
 
 PassName = Literal["z1", "z3", "autosp", "autotp"]
 Partitioner = Literal["min_cut", "default"]
@@ -53,11 +54,13 @@ class CompileConfig(DeepSpeedConfigModel):
     """The fused cast + all-gather: ``"native"`` (the C++ op, JIT-built at first use; an error if it cannot be
     built), ``"python"`` (torch.distributed calls), ``"auto"`` (native if it builds, else Python with one
     warning saying why)."""
-    keep_gathered_bytes: int = Field(default=0, ge=0)
+    keep_gathered_bytes: Union[Literal["prefetch"], Annotated[int, Field(ge=0)]] = 0
     """With ``"min_cut"``: up to this many bytes of gathered parameters (per engine) stay gathered from forward to
     backward instead of being gathered again there: the last gathered in forward first (backward needs them first,
     so they are held the shortest time). It trades that much memory for the backward all-gathers of those
-    parameters. 0 (the default): every parameter is gathered again in backward."""
+    parameters. ``"prefetch"``: one prefetch bucket (``stage3_prefetch_bucket_size`` elements of the parameters'
+    dtype), about what backward's first run of gathers would gather again at once. 0 (the default): every parameter
+    is gathered again in backward."""
     collective_timeout_s: float = Field(default=0.0, ge=0.0)
     """If > 0, a gather or reduce that has not completed after this many seconds raises instead of hanging."""
 

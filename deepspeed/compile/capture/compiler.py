@@ -74,13 +74,18 @@ class GraphCompiler:
                 node.meta[META_DS_ID] = ds_id
         self.num_fwd_outputs = num_fwd_outputs
         if self.config.partitioner == "min_cut":
-            budget = self.config.keep_gathered_bytes - self.stats.kept_gathered_bytes
+            budget = self.keep_budget() - self.stats.kept_gathered_bytes
             kept = choose_kept_params(joint, budget) if budget > 0 else {}
             self.stats.kept_gathered_bytes += sum(kept.values())
             tag_param_aliases_pass(joint, keep=frozenset(kept))
             return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                        **kwargs)
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    def keep_budget(self) -> int:
+        """``compile.keep_gathered_bytes`` in bytes (``"prefetch"``: one prefetch bucket of the parameters' dtype)."""
+        keep = self.config.keep_gathered_bytes
+        return self.runtime.prefetch_bucket_bytes() if keep == "prefetch" else keep
 
     # --- forward / backward ------------------------------------------------------------------------------
     def _common_passes(self):

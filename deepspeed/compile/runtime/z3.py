@@ -137,6 +137,11 @@ class Z3Runtime:
         self._param_dicts = [m._parameters for m in engine.module.modules() if hasattr(m._parameters, "_in_forward")]
         self.id = registry.register(self)
 
+    def prefetch_bucket_bytes(self) -> int:
+        """``stage3_prefetch_bucket_size`` in bytes of the widest sharded parameter dtype (0 when it is 0)."""
+        itemsize = max((p.ds_tensor.element_size() for p in self.sharded.values()), default=0)
+        return self.gather_bucket_numel * itemsize
+
     def reset_counters(self) -> None:
         live = self.counters.live_gathered_bytes
         self.counters = Counters(live_gathered_bytes=live, peak_gathered_bytes=live)

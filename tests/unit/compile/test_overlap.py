@@ -61,7 +61,7 @@ def test_memory_plan_counts_the_run_in_flight():
 
 
 # ----- rank functions (module level: each rank imports them by name) ---------------------------------------
-def _rank_coalesced(layers: int, backend: str, prefetch_numel: int, steps: int) -> Dict:
+def _rank_coalesced(layers: int, backend: str, prefetch_numel: int, steps: int, keep=None) -> Dict:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.compile.engine_state import runtime_of
@@ -72,7 +72,7 @@ def _rank_coalesced(layers: int, backend: str, prefetch_numel: int, steps: int) 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyGPT(layers=layers)
-    config = ds_config(3, {"deepcompile": True})
+    config = ds_config(3, {"deepcompile": True, **({} if keep is None else {"keep_gathered_bytes": keep})})
     config["zero_optimization"]["stage3_prefetch_bucket_size"] = prefetch_numel
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     engine.compile(backend=backend)
@@ -89,7 +89,7 @@ def _rank_coalesced(layers: int, backend: str, prefetch_numel: int, steps: int) 
     padding = 2 * sum((p.ds_tensor.numel() * world_size - p.ds_numel) * p.ds_tensor.element_size()
                       for p in runtime.sharded.values())
     out = {key: report[key] for key in ("gathers", "allgather_collectives", "peak_gathered_bytes",
-                                        "planned_peak_gathered_bytes", "live_gathered_bytes")}
+                                        "planned_peak_gathered_bytes", "live_gathered_bytes", "saved_param_bytes")}
     out.update(losses=losses, padding=padding, orders=collective_orders(engine), active=engine.is_deepcompile_active(),
                largest=max(p.ds_numel * p.ds_tensor.element_size() for p in runtime.sharded.values()))
     engine.destroy()
@@ -133,3 +133,14 @@ def test_parameters_kept_gathered_are_not_gathered_again_in_backward():
         assert b["saved"]["param_bytes"] == 0
         assert 0 < k["saved"]["param_bytes"] <= budget, k["saved"]
         assert k["gathers"] < b["gathers"], (k["gathers"], b["gathers"])
+
+
+def test_keep_one_prefetch_bucket():
+    """``keep_gathered_bytes: "prefetch"``: one prefetch bucket (of fp32 here) stays gathered for backward."""
+    prefetch = 5000
+    base = run_distributed(_rank_coalesced, 2, "eager", prefetch, 2)
+    kept = run_distributed(_rank_coalesced, 2, "eager", prefetch, 2, "prefetch")
+    for b, k in zip(base, kept):
+        assert b["saved_param_bytes"] == 0, b
+        assert 0 < k["saved_param_bytes"] <= prefetch * FP32, k
+        assert k["gathers"] < b["gathers"] and k["losses"] == b["losses"], (k, b)
