@@ -121,16 +121,17 @@ def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int,
     flight ahead of use. The memory plan counts all of it (``schedule/memory_plan.in_flight_storages``)."""
     runs: List[List[Node]] = []
     numel = 0
+    members: Set[int] = set()  # ds_ids in the current run
     for node in [n for n in gm.graph.nodes if is_gather(n)]:
         size = _numel(node)
-        run = runs[-1] if runs else None
-        if run is None or numel + size > bucket_numel or node.args[2] in {g.args[2] for g in run}:
+        if not runs or numel + size > bucket_numel or node.args[2] in members:
             runs.append([node])
-            numel = size
+            numel, members = size, {node.args[2]}
             continue
-        run[-1].append(node)  # moves the gather up, right behind the run's previous one
-        run.append(node)
+        runs[-1][-1].append(node)  # moves the gather up, right behind the run's previous one
+        runs[-1].append(node)
         numel += size
+        members.add(node.args[2])
     plan_ids = add_plans([[(g.args[2], gather_dtype(g)) for g in r] for r in runs])
     for run, plan_id in zip(runs, plan_ids):
         first = run[0]

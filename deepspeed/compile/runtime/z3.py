@@ -25,6 +25,8 @@ from .eager_access import EagerAccess
 
 log = logging.getLogger(__name__)
 
+# a run's collective goes out in chunks of about this many gathered elements (see _start_chunks): 2^20 (4 MiB of
+# fp32) amortizes a collective's fixed cost and keeps the copy-out transient to a few MiB
 GATHER_CHUNK_NUMEL = 1 << 20
 
 
@@ -104,9 +106,6 @@ class Z3Runtime:
         self.bucket_numel = int(engine.zero_reduce_bucket_size())
         # adjacent gathers of a graph go out as one collective of at most this many elements (0: never coalesce)
         self.gather_bucket_numel = int(engine.zero_prefetch_bucket_size())
-        # a run's collective goes out in chunks of about this many gathered elements (see _start_chunks): 2^20 (4 MiB
-        # of fp32) amortizes a collective's fixed cost and keeps the copy-out transient to a few MiB
-        self.gather_chunk_numel = GATHER_CHUNK_NUMEL
         self.gather_plans: List[_Plan] = []  # gather runs, written by the compiler, read by the gather ops
         self._inflight: Dict[int, List[_Started]] = {}  # plan id -> its all-gathers started ahead
         self.input_cast_hook = None  # fp16 auto_cast: the engine's input cast, as a forward pre-hook (init_z3)
@@ -115,7 +114,10 @@ class Z3Runtime:
         native = load_native(native_op)
         self.gather_path = "native" if native is not None else "python"
         self._cast_all_gather = native or cast_all_gather_python
-        self._native_start = native is not None  # coalesced gathers start through the native op's start form
+        # coalesced gathers start through the native op's start form on CUDA, where it casts on the communication
+        # stream; on CPU the Python path concatenates and casts the shards in one copy (the op takes one shard, so
+        # it would copy the run twice)
+        self._native_start = native is not None and any(p.ds_tensor.is_cuda for p in self.sharded.values())
         self.counters = Counters()
         # (time.perf_counter(), live gathered bytes) at every change, while recording (report.py)
         self.gathered_timeline: Optional[List[Tuple[float, int]]] = None
@@ -231,13 +233,13 @@ class Z3Runtime:
 
     def _start_chunks(self, members: List[Parameter], dtype: torch.dtype) -> List["_Started"]:
         """A run's collectives, started: members in order, split into chunks of about ``gather_chunk_numel``
-        gathered elements. Copying a run out of one receive buffer would hold the run twice; chunk by chunk it holds
+        gathered elements (``GATHER_CHUNK_NUMEL``). Copying a run out of one receive buffer would hold the run twice; chunk by chunk it holds
         the run and one chunk."""
         chunks: List[List[Parameter]] = [[]]
         numel = 0
         for param in members:
             width = param.ds_tensor.numel() * self.world_size
-            if chunks[-1] and numel + width > self.gather_chunk_numel:
+            if chunks[-1] and numel + width > GATHER_CHUNK_NUMEL:
                 chunks.append([])
                 numel = 0
             chunks[-1].append(param)
@@ -247,12 +249,14 @@ class Z3Runtime:
     def _start_coalesced(self, members: List[Parameter], dtype: torch.dtype) -> "_Started":
         """One all-gather for several parameters, started: each rank sends its shards back to back, cast first (by the
         native op's start form, or while concatenating them)."""
+        shards = [p.ds_tensor.reshape(-1) for p in members]
         if self._native_start:
-            send = torch.cat([p.ds_tensor.reshape(-1) for p in members])
+            send = torch.cat(shards)
             work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.timeout)
             recv = work.flat.view(self.world_size, -1)
         else:
-            send = torch.cat([p.ds_tensor.reshape(-1).to(dtype) for p in members])  # the cast, before sending
+            send = torch.empty(sum(s.numel() for s in shards), dtype=dtype, device=shards[0].device)
+            torch.cat(shards, out=send)  # the cast, before sending, in the same copy
             recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
             work = dist.all_gather_into_tensor(recv.view(-1), send, group=self.group, async_op=True)
         self.counters.allgather_collectives += 1

@@ -203,7 +203,7 @@ def gathered_lower_bound(graph: GraphLike) -> LowerBound:
     pos = {node: i for i, node in enumerate(order)}
     roots = storage_roots(order)
     members = alias_members(order, roots)
-    sizes = {s.root: s for s in find_storages(order)}
+    sizes = {s.root: s for s in find_storages(order) if s.kind in (ACTIVATION, GRADIENT)}  # a node's own tensors
     ancestors, descendants = _reachability(order, pos)
     need = [0] * len(order)
     for gather in (n for n in order if is_gather(n)):
@@ -220,7 +220,7 @@ def gathered_lower_bound(graph: GraphLike) -> LowerBound:
     own = [0] * len(order)
     for i, node in enumerate(order):
         touched = {roots[n] for n in node.all_input_nodes} | {roots[node]}
-        own[i] = sum(sizes[r].nbytes for r in touched if r in sizes and sizes[r].kind in (ACTIVATION, GRADIENT))
+        own[i] = sum(sizes[r].nbytes for r in touched if r in sizes)
     best = max(range(len(order)), key=lambda i: (need[i], own[i]), default=None)
     if best is None or need[best] == 0:
         return LowerBound(0, 0, None)

@@ -1,66 +1,47 @@
-"""Count all-gather and reduce-scatter bytes issued through ``torch.distributed`` in a rank (eager ZeRO-3 has no
-report of its own to compare the compiled engine's with).
+"""Count the reduce-scatter bytes a rank issues through ``torch.distributed`` (eager ZeRO-3 has no report of its own
+to compare the compiled engine's with).
 
-Every Python-level collective of torch 2.13 that DeepSpeed issues (``all_gather_into_tensor``,
-``reduce_scatter_tensor``, the coalescing manager, its cached function references) ends in a method of
-``torch.distributed.ProcessGroup``: ``count_collectives()`` wraps those methods on the class for the duration of a
-``with`` block and restores them afterwards. An all-gather counts the bytes of its gathered output, a
-reduce-scatter those of its full input.
+Every Python-level reduce-scatter of torch 2.13 that DeepSpeed issues (``reduce_scatter_tensor``, the coalescing
+manager, its cached function references) ends in a method of ``torch.distributed.ProcessGroup``;
+``count_reduce_scatter()`` wraps those methods on the class for the duration of a ``with`` block and restores them
+afterwards. A reduce-scatter counts the bytes of its full input. (The benchmark has its own, wider counter.)
 """
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List
+from typing import Any, Iterator, List
 
 import torch
 import torch.distributed as dist
 
-_GATHER_METHODS = ("all_gather_single", "_allgather_base", "allgather", "allgather_into_tensor_coalesced")
-_SCATTER_METHODS = ("reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter",
-                    "reduce_scatter_tensor_coalesced")
+_METHODS = ("reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced")
 
 
-@dataclass
-class CommCounts:
-    allgather_bytes: int = 0
-    reduce_scatter_bytes: int = 0
+class Count:
+    reduce_scatter_bytes = 0
 
 
 def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
     if isinstance(obj, (list, tuple)):
         return sum(_nbytes(o) for o in obj)
-    return 0
-
-
-def _wrap(name: str, original: Callable, counts: CommCounts, gather: bool) -> Callable:
-    def counted(self, *args: Any, **kwargs: Any) -> Any:
-        # (output, input, opts) for every method here; the list forms nest the tensors in lists
-        if gather:
-            counts.allgather_bytes += _nbytes(args[0] if args else kwargs.get("output_tensors"))
-        else:
-            counts.reduce_scatter_bytes += _nbytes(args[1] if len(args) > 1 else kwargs.get("input_tensors"))
-        return original(self, *args, **kwargs)
-
-    counted.__name__ = name
-    return counted
+    return obj.numel() * obj.element_size() if isinstance(obj, torch.Tensor) else 0
 
 
 @contextlib.contextmanager
-def count_collectives() -> Iterator[CommCounts]:
-    """Count this process's all-gather / reduce-scatter bytes inside the block."""
-    counts = CommCounts()
+def count_reduce_scatter() -> Iterator[Count]:
+    count = Count()
     cls = dist.ProcessGroup
-    saved: List = []
+    saved: List = [(name, cls.__dict__[name]) for name in _METHODS if name in cls.__dict__]
+
+    def wrap(original):
+        def counted(self, *args: Any, **kwargs: Any) -> Any:
+            # (output, input, opts); the list forms nest the tensors in lists
+            count.reduce_scatter_bytes += _nbytes(args[1] if len(args) > 1 else kwargs.get("input_tensors"))
+            return original(self, *args, **kwargs)
+        return counted
+
     try:
-        for names, gather in ((_GATHER_METHODS, True), (_SCATTER_METHODS, False)):
-            for name in names:
-                original = cls.__dict__.get(name)
-                if original is None:
-                    continue
-                saved.append((name, original))
-                setattr(cls, name, _wrap(name, original, counts, gather))
-        yield counts
+        for name, original in saved:
+            setattr(cls, name, wrap(original))
+        yield count
     finally:
         for name, original in saved:
             setattr(cls, name, original)

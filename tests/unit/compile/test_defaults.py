@@ -120,7 +120,7 @@ def test_coalesced_async_gathers_same_order_on_every_rank_both_backends():
 def _reduce_bytes_under_autocast(steps):
     import torch
     import models_eager
-    from collectives import count_collectives
+    from collectives import count_reduce_scatter
     rank = torch.distributed.get_rank()
     out = {}
     # every parameter sharded, torch autocast to bf16
@@ -129,7 +129,7 @@ def _reduce_bytes_under_autocast(steps):
         idx, targets = models_eager.batch(0, rank, 12)
         engine.backward(engine(idx, targets))  # the first step compiles: count the steps after it
         engine.step()
-        with count_collectives() as counts:
+        with count_reduce_scatter() as counts:
             for step in range(1, steps + 1):
                 idx, targets = models_eager.batch(step, rank, 12)
                 engine.backward(engine(idx, targets))
