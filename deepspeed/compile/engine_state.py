@@ -2,8 +2,8 @@
 runs a forward in it, and ends it.
 
 Stock DeepSpeed reaches this module only through thin adapters, files that exist because its ``engine.py``
-imports them by name (``docs/design.md`` lists them): ``init_z3`` -> :func:`activate_z3`; ``init_z1_and_2``,
-``init_sp``, ``init_tp`` -> :func:`fall_back`; ``z3_eager_fallback`` -> :func:`forward_context`; ``backend``
+imports them by name (``docs/design.md`` lists them): ``init_z3`` -> :func:`activate_z3`; ``init_z1_and_2`` ->
+:func:`activate_z12`; ``init_sp``, ``init_tp`` -> :func:`fall_back`; ``z3_eager_fallback`` -> :func:`forward_context`; ``backend``
 -> :class:`PassTimes`. ``report.py`` reads the state for users. Importing this module must stay cheap (stock
 DeepSpeed imports it at ``import deepspeed``): the runtime and compiler are imported when an engine activates.
 """
@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 from deepspeed.utils import logger
 
@@ -19,6 +19,7 @@ from .config import CompileConfig, unimplemented_options
 
 if TYPE_CHECKING:
     from .capture.compiler import CompileStats
+    from .runtime.z12 import Z12Runtime
     from .runtime.z3 import Z3Runtime
 
 ATTR = "_deepspeed_compile"  # the engine attribute holding its DeepCompileState
@@ -29,8 +30,9 @@ _LIVE: "weakref.WeakSet[DeepCompileState]" = weakref.WeakSet()
 
 @dataclass(eq=False)
 class DeepCompileState:
-    runtime: "Z3Runtime"  # communication and buffers
+    runtime: "Union[Z3Runtime, Z12Runtime]"  # communication and buffers
     stats: "CompileStats"  # what compiling the engine's graphs found
+    stage: int = 3  # the ZeRO stage the runtime serves
 
 
 def state_of(engine, active_only: bool = True) -> Optional[DeepCompileState]:
@@ -41,7 +43,7 @@ def state_of(engine, active_only: bool = True) -> Optional[DeepCompileState]:
     return state
 
 
-def runtime_of(engine, active_only: bool = True) -> "Optional[Z3Runtime]":
+def runtime_of(engine, active_only: bool = True) -> "Optional[Union[Z3Runtime, Z12Runtime]]":
     state = state_of(engine, active_only)
     return None if state is None else state.runtime
 
@@ -64,27 +66,23 @@ def check_compile_request(compile_config: CompileConfig, backend: str, schedule)
         raise ValueError(f"engine.compile(backend={backend!r}): DeepCompile supports 'eager' and 'inductor'")
 
 
-def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=None) -> Optional[Callable]:
-    """Give a ZeRO-3 engine its DeepCompile state and return the dynamo backend that compiles its graphs (None:
-    fall back to plain ``torch.compile``)."""
+def _check_options(compile_config: CompileConfig, backend: str, schedule) -> bool:
+    """Refuse a bad request (ValueError) and say whether this module can run the configuration at all."""
     check_compile_request(compile_config, backend, schedule)
     fallback, ignored = unimplemented_options(compile_config)
     if fallback:
-        return fall_back(f"compile option(s) {fallback}", "offload is not implemented by deepspeed-compile")
+        fall_back(f"compile option(s) {fallback}", "offload is not implemented by deepspeed-compile")
+        return False
     if ignored:
         logger.warning(f"deepspeed-compile: compile option(s) {ignored} have no effect in this implementation")
+    return True
 
-    # imported here: these register the graph ops, which `import deepspeed` must not pay for
-    from .capture import eager_hooks
+
+def _activate(engine, runtime, stage: int, backend: str, compile_config: CompileConfig) -> Callable:
     from .capture.compiler import CompileStats, make_backend
-    from .runtime.z3 import Z3Runtime
-
-    runtime = Z3Runtime(engine, timeout_s=compile_config.collective_timeout_s, free_on_release=backend == "eager",
-                        native_op=compile_config.native_op)
-    state = DeepCompileState(runtime, CompileStats())
+    state = DeepCompileState(runtime, CompileStats(), stage)
     setattr(engine, ATTR, state)
     _LIVE.add(state)
-    eager_hooks.switch_off(engine)
     if engine.fp16_auto_cast():
         # the engine casts inputs to fp16 in the forward pre-hook it removes while DeepCompile is active
         runtime.input_cast_hook = engine.module.register_forward_pre_hook(
@@ -92,28 +90,48 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
 
     def on_failure(err: BaseException) -> None:
         logger.error(f"deepspeed-compile: compiling a graph failed ({type(err).__name__}: {err}); the engine "
-                     "runs uncompiled eager ZeRO-3 from the next step on (engine.compile() tries again)")
+                     f"runs uncompiled eager ZeRO-{stage} from the next step on (engine.compile() tries again)")
         deactivate(engine, uncompile=True)
 
     return make_backend(runtime, state.stats, compile_config, backend, on_failure)
 
 
-def deactivate(engine, uncompile: bool = False) -> None:
-    """Return ``engine`` to eager ZeRO-3: stand-ins out, eager hooks back on, DeepCompile marked inactive.
-    With ``uncompile`` the module's ``torch.compile`` wrapper is dropped too: after a failed compile the eager
-    ZeRO-3 hooks must run as plain Python, not be re-traced by dynamo."""
+def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=None) -> Optional[Callable]:
+    """Give a ZeRO-3 engine its DeepCompile state and return the dynamo backend that compiles its graphs (None:
+    fall back to plain ``torch.compile``)."""
+    if not _check_options(compile_config, backend, schedule):
+        return None
+    # imported here: these register the graph ops, which `import deepspeed` must not pay for
     from .capture import eager_hooks
-    from .runtime import standins
+    from .runtime.z3 import Z3Runtime
+    runtime = Z3Runtime(engine, timeout_s=compile_config.collective_timeout_s, free_on_release=backend == "eager",
+                        native_op=compile_config.native_op)
+    eager_hooks.switch_off(engine)
+    return _activate(engine, runtime, 3, backend, compile_config)
+
+
+def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=None,
+                 stage: int = 1) -> Optional[Callable]:
+    """Give a ZeRO-1 or ZeRO-2 engine its DeepCompile state (gradients handed to ZeRO's optimizer from inside the
+    compiled backward, ``runtime/z12.py``) and return the dynamo backend that compiles its graphs."""
+    if not _check_options(compile_config, backend, schedule):
+        return None
+    from .runtime.z12 import Z12Runtime
+    runtime = Z12Runtime(engine, stage=stage)
+    return _activate(engine, runtime, stage, backend, compile_config)
+
+
+def deactivate(engine, uncompile: bool = False) -> None:
+    """Return ``engine`` to eager ZeRO: the runtime detached (ZeRO-3: stand-ins out, eager hooks back on;
+    ZeRO-1/2: ZeRO's gradient hooks back), DeepCompile marked inactive. With ``uncompile`` the module's
+    ``torch.compile`` wrapper is dropped too: after a failed compile the eager ZeRO hooks must run as plain Python,
+    not be re-traced by dynamo."""
     state = state_of(engine, active_only=False)
     if state is not None:
-        runtime = state.runtime
-        if runtime.input_cast_hook is not None:
-            runtime.input_cast_hook.remove()
-            runtime.input_cast_hook = None
-        runtime.eager.release()
-        runtime.eager.remove_grad_hooks()  # eager ZeRO-3's own gradient hooks take over
-        standins.uninstall(runtime.params.values())
-    eager_hooks.switch_on(engine)
+        state.runtime.detach()
+    if state is None or state.stage == 3:
+        from .capture import eager_hooks
+        eager_hooks.switch_on(engine)
     if engine.is_deepcompile_active():
         engine._set_deepcompile_active(False)
     if uncompile:

@@ -1,6 +1,7 @@
-"""Engine adapter (stock ``engine.py`` imports it by name): DeepCompile for ZeRO stage 1 or 2, not implemented."""
-from .engine_state import fall_back
+"""Engine adapter (stock ``engine.py`` imports it by name): DeepCompile for ZeRO stages 1 and 2, see
+``engine_state.activate_z12`` and ``runtime/z12.py``."""
+from .engine_state import activate_z12
 
 
 def init_z1_and_2(engine, backend, compile_config, compile_kwargs, schedule=None, use_z2: bool = False):
-    return fall_back(f"DeepCompile with ZeRO stage {2 if use_z2 else 1}", "deepspeed-compile implements ZeRO-3 only")
+    return activate_z12(engine, backend, compile_config, schedule, stage=2 if use_z2 else 1)

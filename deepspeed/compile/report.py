@@ -1,7 +1,7 @@
-"""What a compiled ZeRO-3 engine did, for users, tests and the benchmark.
+"""What a compiled engine did, for users, tests and the benchmark.
 
     from deepspeed.compile.report import engine_report
-    engine_report(engine)   # None unless the engine runs deepspeed-compile's ZeRO-3 pipeline
+    engine_report(engine)   # None unless the engine runs deepspeed-compile's pipeline (ZeRO-1, 2 or 3)
 
 Saved-for-backward bytes are summed over the engine's compiled forward graphs (computed from the partitioned
 graphs' tensor metadata); communication and gathered-memory figures are cumulative since compile or the last
@@ -13,34 +13,42 @@ from .engine_state import runtime_of, state_of
 
 
 def engine_report(engine) -> Optional[Dict[str, Any]]:
+    """What the engine's DeepCompile did; None unless it runs DeepCompile now. Every stage reports its compiled graphs
+    and gradient reductions; ZeRO-3 adds its gathers and gathered memory."""
     state = state_of(engine)
     if state is None:
         return None
     runtime = state.runtime
     c, s = runtime.counters, state.stats.saved
-    return {
+    report = {
+        "zero_stage": state.stage,
         "graphs_compiled": state.stats.graphs_compiled,
-        "gather_path": runtime.gather_path,
-        "gather_seconds": c.gather_seconds,
         "saved_param_bytes": s.param_bytes,
         "saved_other_bytes": s.other_bytes,
         "saved_param_tensors": s.param_tensors,
         "saved_other_tensors": s.other_tensors,
-        "allgather_bytes": c.allgather_bytes,
-        "allgather_bytes_by_dtype": dict(c.allgather_bytes_by_dtype),
-        "reduce_scatter_bytes": c.reduce_scatter_bytes,
-        "gathers": c.gathers,
-        "allgather_collectives": c.allgather_collectives,
-        "eager_gathers": c.eager_gathers,
         "reduces": c.reduces,
+        "reduce_bytes": c.reduce_bytes,
         "reduce_collectives": c.reduce_collectives,
         "reduce_wait_seconds": c.reduce_wait_seconds,
-        "live_gathered_bytes": c.live_gathered_bytes,
-        "peak_gathered_bytes": c.peak_gathered_bytes,
-        "planned_peak_gathered_bytes": state.stats.planned_peak_gathered_bytes,
         "pass_seconds": dict(state.stats.pass_times),
         "compile_seconds": dict(state.stats.compile_seconds),
     }
+    if state.stage == 3:
+        report.update({
+            "gather_path": runtime.gather_path,
+            "gather_seconds": c.gather_seconds,
+            "allgather_bytes": c.allgather_bytes,
+            "allgather_bytes_by_dtype": dict(c.allgather_bytes_by_dtype),
+            "reduce_scatter_bytes": c.reduce_scatter_bytes,
+            "gathers": c.gathers,
+            "allgather_collectives": c.allgather_collectives,
+            "eager_gathers": c.eager_gathers,
+            "live_gathered_bytes": c.live_gathered_bytes,
+            "peak_gathered_bytes": c.peak_gathered_bytes,
+            "planned_peak_gathered_bytes": state.stats.planned_peak_gathered_bytes,
+        })
+    return report
 
 
 def collective_orders(engine) -> Optional[List[List[Tuple[str, int]]]]:

@@ -54,13 +54,16 @@ class GraphCompiler:
     """Compiles one dynamo graph; holds what its forward, partition and backward steps tell each other."""
 
     def __init__(self, runtime, stats: CompileStats, config: CompileConfig, backend: str,
-                 param_ds_ids: List[Optional[int]], on_failure: Optional[Callable[[BaseException], None]] = None):
+                 param_ds_ids: List[Optional[int]], on_failure: Optional[Callable[[BaseException], None]] = None,
+                 grad_keys: Optional[List[Optional[int]]] = None):
         self.runtime = runtime
         self.stats = stats
         self.on_failure = on_failure
         self.config = config
         self.backend = backend
-        self.param_ds_ids = param_ds_ids  # per graph input (= per joint primal): ds_id or None
+        self.param_ds_ids = param_ds_ids  # per graph input (= per joint primal): ds_id of a gathered one, or None
+        # per graph input: the runtime's key of the parameter whose gradient the backward reduces, or None
+        self.grad_keys = param_ds_ids if grad_keys is None else grad_keys
         self.num_fwd_outputs: Optional[int] = None
         self.escaped: Dict[str, int] = {}
 
@@ -141,7 +144,7 @@ class GraphCompiler:
         rewrite.mark_escaped_inputs(gm, self.escaped)
         rid = self.runtime.id
         passes = [("insert_reduces", functools.partial(rewrite.insert_reduces_pass, runtime_id=rid,
-                                                       grad_ds_ids=self.param_ds_ids))]
+                                                       grad_ds_ids=self.grad_keys))]
         gm = run_passes(gm, passes + self._common_passes(), self.stats.pass_times)
         return self._finish(gm, example_inputs, is_backward=True, is_inference=False)
 
@@ -186,23 +189,32 @@ def collective_order(gm: GraphModule) -> List[Tuple[str, int]]:
 
 def bind_to_traced_params(compiled: Callable, uncompiled: GraphModule, traced: Dict[int, torch.nn.Parameter],
                           runtime) -> Callable:
-    """The compiled graph bakes each parameter's ``ds_id`` into its gather and reduce ops, but dynamo guards a
-    parameter input on its metadata only: it reuses one compiled graph for every module instance of the same code
-    (the blocks of a model whose top-level frame it skipped, or regional compilation). A call with the parameters
-    the graph was traced with runs the compiled graph; a call with other parameters runs the dynamo graph as
-    traced, uncompiled, on those parameters gathered on access (runtime/eager_access.py), so it is still right."""
+    """The compiled graph bakes each parameter's ``ds_id`` (ZeRO-3) or key (ZeRO-1/2) into its gather and reduce ops,
+    but dynamo guards a parameter input on its metadata only: it reuses one compiled graph for every module instance
+    of the same code (the blocks of a model whose top-level frame it skipped, or regional compilation). A call with
+    the parameters the graph was traced with runs the compiled graph; a call with other parameters runs the dynamo
+    graph as traced, uncompiled, on those parameters (ZeRO-3 gathers them first, ``runtime.prepare_uncompiled``), so
+    it is still right: autograd then delivers their gradients through the runtime's eager gradient hooks."""
     def matches(args) -> bool:
         return all(args[i] is param for i, param in traced.items())
 
     @torch._dynamo.disable(recursive=True)
     def run_uncompiled(args):
-        runtime.eager.note_reused_graph()
-        for i in traced:
-            runtime.eager.gather(args[i])
+        runtime.prepare_uncompiled([args[i] for i in traced])
         return uncompiled(*args)
 
     def run(*args):
         return compiled(*args) if matches(args) else run_uncompiled(args)
+
+    return run
+
+
+def count_grad_sources(compiled: Callable, runtime, grad_inputs: List[int]) -> Callable:
+    """ZeRO-1/2: each call of a compiled graph tells the runtime which trained parameters will get a gradient from
+    its backward, so that a parameter used by several graphs is handed to ZeRO once, with their sum."""
+    def run(*args):
+        runtime.note_graph_call(args, grad_inputs)
+        return compiled(*args)
 
     return run
 
@@ -217,11 +229,12 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             return gm.forward
         try:
             param_ds_ids = runtime.param_ds_ids(example_inputs)
+            grad_keys = runtime.grad_keys(example_inputs)
             gathered = {i: ds_id for i, ds_id in enumerate(param_ds_ids) if ds_id is not None}
             uncompiled = GraphModule(gm, copy.deepcopy(gm.graph))  # the dynamo graph as traced, for other params
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()
-            compiler = GraphCompiler(runtime, stats, config, backend, param_ds_ids, on_failure)
+            compiler = GraphCompiler(runtime, stats, config, backend, param_ds_ids, on_failure, grad_keys)
             aot = aot_autograd(fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
                                partition_fn=compiler.partition, decompositions=compiler.decompositions(),
                                keep_inference_input_mutations=True)
@@ -231,7 +244,12 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
         except BaseException as err:
             on_failure(err)
             raise
-        traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}
+        if runtime.stage != 3:  # ZeRO-1/2: each call announces the gradients its backward will hand over
+            grad_inputs = [i for i, key in enumerate(grad_keys) if key is not None]
+            compiled = count_grad_sources(compiled, runtime, grad_inputs)
+            traced = {i: runtime.params[grad_keys[i]] for i in grad_inputs}
+        else:
+            traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}
         return bind_to_traced_params(compiled, uncompiled, traced, runtime)
 
     return compile_graph

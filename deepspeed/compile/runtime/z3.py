@@ -43,6 +43,7 @@ class Counters:
     allgather_bytes_by_dtype: Dict[str, int] = field(default_factory=dict)
     gather_seconds: float = 0.0  # time spent waiting for all-gathers (exposed communication)
     reduce_collectives: int = 0
+    reduce_bytes: int = 0  # bytes sent by gradient reductions (here all reduce-scatters)
     reduce_wait_seconds: float = 0.0  # time spent waiting for reduce-scatters started earlier
 
 
@@ -86,6 +87,7 @@ class _PendingReduce:
 
 
 class Z3Runtime:
+    stage = 3
 
     def __init__(self, engine, *, timeout_s: float = 0.0, free_on_release: bool = True, native_op: str = "auto"):
         self.engine = engine
@@ -439,6 +441,7 @@ class Z3Runtime:
         recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
         work = dist.reduce_scatter_tensor(recv, send.view(-1), group=self.group, async_op=True)
         self.counters.reduce_scatter_bytes += send.numel() * send.element_size()
+        self.counters.reduce_bytes += send.numel() * send.element_size()
         self.counters.reduce_collectives += 1
         self._pending_reduces.append(_PendingReduce(work, bucket.buffer, recv, bucket.items, time.perf_counter()))
 
@@ -470,6 +473,26 @@ class Z3Runtime:
                 self.optimizer.micro_step_id = micro_step
 
     # ----- engine hooks ----------------------------------------------------------------------------------
+    def detach(self) -> None:
+        """The engine returns to eager ZeRO-3: eagerly gathered parameters partitioned, eager ZeRO-3's own gradient
+        hooks in charge, stand-ins out (the caller switches ZeRO-3's module hooks back on)."""
+        if self.input_cast_hook is not None:
+            self.input_cast_hook.remove()
+            self.input_cast_hook = None
+        self.eager.release()
+        self.eager.remove_grad_hooks()
+        standins.uninstall(self.params.values())
+
+    def prepare_uncompiled(self, params: List[Parameter]) -> None:
+        """A graph compiled for other parameters runs uncompiled on these: gather them (see eager_access.py)."""
+        self.eager.note_reused_graph()
+        for param in params:
+            self.eager.gather(param)
+
+    def grad_keys(self, inputs) -> List[Optional[int]]:
+        """For every graph input, the ds_id whose gradient the backward graph reduces (the gathered parameters)."""
+        return self.param_ds_ids(inputs)
+
     @contextmanager
     def forward_context(self):
         absent = [p for p in self.persistent if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]

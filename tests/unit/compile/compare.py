@@ -65,7 +65,7 @@ def train_and_record(engine, model: str, steps: int, grad_steps: int, compile_kw
     def record_live(e):
         runtime = runtime_of(e, active_only=False)
         if runtime is not None:
-            live_after_step.append(runtime.counters.live_gathered_bytes)
+            live_after_step.append(getattr(runtime.counters, "live_gathered_bytes", 0))  # ZeRO-1/2 gather nothing
         grad_norms.append(float(e.get_global_grad_norm()))
         if not master_after_first:
             master_after_first.append(master_params(e))
@@ -77,22 +77,23 @@ def train_and_record(engine, model: str, steps: int, grad_steps: int, compile_kw
             "grad_norms": grad_norms, "live_after_step": live_after_step}
 
 
-def run_eager(model: str, steps: int, dtype: str = "fp32", grad_accum: int = 1, grad_steps: int = 1,
+def run_eager(model: str, steps: int, dtype: str = "fp32", grad_accum: int = 1, grad_steps: int = 1, stage: int = 3,
               **config_kwargs) -> Dict[str, Any]:
-    """Eager ZeRO-3 alone: what ``train_and_record`` returns, keys prefixed with ``eager_``."""
-    eager = make_engine(model, ds_config(3, None, dtype, grad_accum, **config_kwargs))
+    """Eager ZeRO (stage 3 unless ``stage``) alone: what ``train_and_record`` returns, keys prefixed with ``eager_``."""
+    eager = make_engine(model, ds_config(stage, None, dtype, grad_accum, **config_kwargs))
     out = train_and_record(eager, model, steps, grad_steps)
     eager.destroy()
     return {f"eager_{k}": v for k, v in out.items() if k != "live_after_step"}
 
 
 def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: Optional[Dict[str, Any]] = None,
-                 backend: str = "eager", grad_accum: int = 1, grad_steps: int = 1, **config_kwargs) -> Dict[str, Any]:
+                 backend: str = "eager", grad_accum: int = 1, grad_steps: int = 1, stage: int = 3,
+                 **config_kwargs) -> Dict[str, Any]:
     """The compiled engine: what ``train_and_record`` returns, plus the runtime's counters and saved-for-backward
     report, whether DeepCompile is active, and how many graphs were compiled."""
     section = {"deepcompile": True, **(compile_section or {})}
     torch._dynamo.reset()  # each compiled engine starts from dynamo's empty caches (and its recompile limit)
-    compiled = make_engine(model, ds_config(3, section, dtype, grad_accum, **config_kwargs))
+    compiled = make_engine(model, ds_config(stage, section, dtype, grad_accum, **config_kwargs))
     out = train_and_record(compiled, model, steps, grad_steps, compile_kwargs={"backend": backend})
     state = state_of(compiled, active_only=False)
     out.update({"active": compiled.is_deepcompile_active(), "counters": vars(state.runtime.counters).copy(),
@@ -102,12 +103,14 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
 
 
 def run_pair(model: str, steps: int, dtype: str = "fp32", compile_section: Optional[Dict[str, Any]] = None,
-             backend: str = "eager", grad_accum: int = 1, grad_steps: int = 1, **config_kwargs) -> Dict[str, Any]:
-    """Train eager ZeRO-3 and the compiled engine on the same data (same config but for the compile section).
+             backend: str = "eager", grad_accum: int = 1, grad_steps: int = 1, stage: int = 3,
+             **config_kwargs) -> Dict[str, Any]:
+    """Train eager ZeRO (stage 3 unless ``stage``) and the compiled engine on the same data (same config but for the
+    compile section).
     Returns, for both (the eager one's under ``eager_*``), losses, gradients of the first ``grad_steps`` steps,
     parameters and master parameters before and after training, and buffers; for the compiled one also what
     :func:`run_compiled` adds."""
-    common = dict(dtype=dtype, grad_accum=grad_accum, grad_steps=grad_steps, **config_kwargs)
+    common = dict(dtype=dtype, grad_accum=grad_accum, grad_steps=grad_steps, stage=stage, **config_kwargs)
     return {**run_eager(model, steps, **common),
             **run_compiled(model, steps, compile_section=compile_section, backend=backend, **common)}
 

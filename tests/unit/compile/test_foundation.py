@@ -119,20 +119,34 @@ def test_bad_compile_key_fails_at_initialize():
     assert all(m is not None and "bucket" in m for m in messages), messages
 
 
-def _train_zero2_deepcompile():
+def _zero12_activation():
+    """ZeRO-1 with stock's ``"passes": ["z1"]`` and ZeRO-2 run this module's pipeline; a stock option it does not
+    implement (offload) still falls back to plain torch.compile with one warning naming it."""
     from models import ds_config
     from training import RecordWarnings, make_engine, train
-    warnings = RecordWarnings()
-    engine = make_engine("mlp", ds_config(2, {"deepcompile": True}))
-    losses = train(engine, "mlp", 3, compile_kwargs={"backend": "eager"})
-    return losses, [m for m in warnings.messages if "deepspeed-compile" in m], engine.is_deepcompile_active()
+    from deepspeed.compile.report import engine_report
+    out = {}
+    for name, stage, section in (("z1", 1, {"deepcompile": True, "passes": ["z1"]}), ("z2", 2, {"deepcompile": True}),
+                                 ("offload", 2, {"deepcompile": True, "offload_activation": True})):
+        warnings = RecordWarnings()
+        engine = make_engine("mlp", ds_config(stage, section))
+        losses = train(engine, "mlp", 3, compile_kwargs={"backend": "eager"})
+        report = engine_report(engine)
+        out[name] = {"losses": losses, "warnings": [m for m in warnings.messages if "deepspeed-compile" in m],
+                     "active": engine.is_deepcompile_active(), "stage": report and report["zero_stage"],
+                     "reduces": report and report["reduces"]}
+        engine.destroy()
+    return out
 
 
-def test_zero2_deepcompile_warns_and_trains():
-    for losses, warnings, active in run_distributed(_train_zero2_deepcompile):
-        assert len(losses) == 3 and all(x == x for x in losses)
-        assert len(warnings) == 1 and "ZeRO stage 2" in warnings[0], warnings
-        assert not active
+def test_zero1_and_zero2_run_deepcompile_and_unimplemented_options_fall_back():
+    for out in run_distributed(_zero12_activation):
+        for name, stage in (("z1", 1), ("z2", 2)):
+            r = out[name]
+            assert r["active"] and r["stage"] == stage and r["reduces"] > 0 and not r["warnings"], r
+            assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r
+        r = out["offload"]
+        assert not r["active"] and len(r["warnings"]) == 1 and "offload_activation" in r["warnings"][0], r
 
 
 def _hang_in_collective():

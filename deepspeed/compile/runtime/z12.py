@@ -1,0 +1,277 @@
+"""The per-engine runtime of DeepCompile for ZeRO stages 1 and 2: gradients handed to ZeRO from the compiled backward.
+
+Parameters are replicated in these stages, so the graphs gather nothing. What DeepCompile changes is where each
+gradient goes. A compiled backward that returns its gradients holds every one of them until it returns: the whole
+model's gradients at once, which ZeRO-2 exists to avoid. Here the backward graph calls ``reduce_grad`` as soon as a
+gradient exists and returns None for it, and this runtime hands the gradient to ZeRO's optimizer exactly as autograd
+would have: accumulated into ``param.grad`` (``AccumulateGrad``'s arithmetic), then the optimizer's own gradient
+hook body (``process_gradients`` and its hook bookkeeping). DeepSpeed's optimizer then does what it does in eager
+ZeRO-1/2, with every option it has: ZeRO-2 copies the gradient into its reduce bucket and reduce-scatters full
+buckets while backward goes on (asynchronously with ``overlap_comm`` on CUDA), dropping the full-size gradient;
+ZeRO-1 keeps it until the accumulation boundary. At the end of backward the runtime runs the reduction the engine
+skips while DeepCompile is active (``engine.allreduce_gradients``). Same code, same buckets, same collectives: the
+arithmetic is eager ZeRO-1/2's.
+
+Gradients of a parameter from several sources (two compiled graphs across a graph break, or a graph and eager
+code) are summed in ``param.grad`` first and handed over once, when the last source the forward announced has
+delivered, as autograd sums them before its single ``AccumulateGrad``.
+"""
+import functools
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Set
+
+import torch
+from deepspeed.utils import logger
+from torch import Tensor
+from torch.nn import Parameter
+
+from . import registry
+
+
+@dataclass
+class Z12Counters:
+    reduces: int = 0  # gradients handed to ZeRO from the graphs or eager code
+    reduce_bytes: int = 0  # bytes ZeRO's buckets reduced, in each gradient's communication dtype
+    reduce_collectives: int = 0  # ZeRO bucket reductions
+    reduce_wait_seconds: float = 0.0  # time inside ZeRO's bucket reductions (blocking collectives and copies)
+
+
+class Z12Runtime:
+
+    def __init__(self, engine, *, stage: int):
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        self.stage = stage
+        # every trained parameter ZeRO's optimizer holds, keyed by a small integer the graph ops carry
+        self.params: Dict[int, Parameter] = {}
+        self._group: Dict[int, int] = {}  # key -> index of the optimizer's bit16 group
+        self._key: Dict[int, int] = {}  # id(param) -> key
+        for group_index, group in enumerate(self.optimizer.bit16_groups):
+            for param in group:
+                if param.requires_grad:
+                    key = len(self.params)
+                    self.params[key] = param
+                    self._group[key] = group_index
+                    self._key[id(param)] = key
+        names = {id(p): name for name, p in engine.module.named_parameters()}
+        self._names = {key: names.get(id(p), f"#{key}") for key, p in self.params.items()}
+        # DeepSpeed registers its gradient hooks only where it reduces or accumulates from them (ZeRO-2, overlap_comm,
+        # contiguous_gradients, a separate accumulation dtype); without them it reduces at the boundary only
+        self._zero_hooks = bool(self.optimizer._grad_acc_hooks)
+        self.counters = Z12Counters()
+        self.input_cast_hook = None  # fp16 auto_cast: the engine's input cast, as a forward pre-hook
+        self._grad_sources: Dict[int, int] = {}  # key -> uses in this step's forwards still owing a gradient
+        self._arrived: Set[int] = set()  # keys with a gradient in param.grad not handed to ZeRO yet
+        self._handed: Set[int] = set()  # keys handed to ZeRO in this backward
+        self._eager_incoming: Set[int] = set()  # keys autograd is accumulating an eager gradient for
+        self._backward_pending = False
+        self._warned_reuse = False
+        self._own_hooks: List = []
+        self._take_over_grad_hooks()
+        self._count_bucket_reductions()
+        self.id = registry.register(self)
+
+    # ----- what the compiler asks -------------------------------------------------------------------------
+    def param_ds_ids(self, inputs) -> List[Optional[int]]:
+        """Parameters gathered by the graphs: none in these stages."""
+        return [None] * len(inputs)
+
+    def grad_keys(self, inputs) -> List[Optional[int]]:
+        """For every graph input, the key of the trained parameter it is (its gradient is reduced in the graph)."""
+        return [self._key.get(id(t)) if isinstance(t, Parameter) else None for t in inputs]
+
+    gather_bucket_numel = 0  # nothing to coalesce
+    gathered_timeline = None  # no gathered memory to record (report.py)
+    collective_spans = None
+
+    def prefetch_bucket_bytes(self) -> int:
+        return 0
+
+    def add_gather_plans(self, runs) -> List[int]:
+        raise AssertionError("ZeRO-1/2 graphs gather no parameters")
+
+    def note_graph_call(self, args: Sequence, grad_inputs: Sequence[int]) -> None:
+        """A compiled forward graph ran with grad enabled: each trained parameter among its inputs owes one more
+        gradient in the coming backward."""
+        if not torch.is_grad_enabled():
+            return
+        for i in grad_inputs:
+            key = self._key[id(args[i])]
+            self._grad_sources[key] = self._grad_sources.get(key, 0) + 1
+
+    def prepare_uncompiled(self, params: List[Parameter]) -> None:
+        """A graph compiled for other parameters runs uncompiled on these (``capture/compiler.bind_to_traced_params``):
+        nothing to prepare, their gradients come through autograd and this runtime's eager hooks."""
+        if not self._warned_reuse:
+            self._warned_reuse = True
+            logger.warning("deepspeed-compile: dynamo reuses a graph compiled for one module's parameters for another "
+                           "instance of the same module (its top-level frame was skipped, or the model is compiled per "
+                           "block); those calls run uncompiled. Training stays correct.")
+
+    # ----- gradients ------------------------------------------------------------------------------------
+    def reduce(self, key: int, grad: Tensor) -> None:
+        """A compiled backward produced parameter ``key``'s gradient: accumulate it into ``param.grad`` as
+        ``AccumulateGrad`` does (``+=`` on an existing gradient), and hand it to ZeRO once its last source came."""
+        param = self.params[key]
+        if key in self._handed:
+            self._second_gradient(key)
+        remaining = self._grad_sources.get(key, 0) - 1
+        self._grad_sources[key] = max(remaining, 0)
+        if param.grad is not None:
+            param.grad.add_(grad)
+        elif remaining <= 0 and grad.is_contiguous() and self._copied_at_once(param):
+            param.grad = grad.detach()  # a tensor object of its own: ZeRO repoints its .data into the bucket
+        else:
+            # kept past this op: a copy. The graph's tensor may be a buffer autograd accumulates into (a gradient
+            # passed through from the backward's input) or one inductor reuses for a later buffer.
+            param.grad = grad.detach().clone(memory_format=torch.contiguous_format)
+        self._arrived.add(key)
+        if remaining <= 0:
+            self._hand_off(key)
+
+    def _copied_at_once(self, param: Parameter) -> bool:
+        """ZeRO-2 copies a gradient into its contiguous reduce bucket inside the hand-off and keeps no reference to
+        the tensor it was given (a gradient wider than the bucket it keeps, to reduce later)."""
+        optimizer = self.optimizer
+        return (self.stage == 2 and self._zero_hooks and optimizer.contiguous_gradients
+                and param.numel() <= optimizer.reduce_bucket_size)
+
+    def _on_accumulated(self, param: Parameter) -> None:
+        """Autograd accumulated a gradient from eager code (a frame dynamo ran uncompiled) into ``param.grad``. (It
+        calls this hook for the compiled graphs' None gradients too: only a gradient announced by the pre-hook
+        counts.)"""
+        key = self._key[id(param)]
+        if key not in self._eager_incoming:
+            return
+        self._eager_incoming.discard(key)
+        if key in self._handed:
+            self._second_gradient(key)
+        self._arrived.add(key)
+        if self._grad_sources.get(key, 0) == 0:  # no compiled graph owes it a gradient: hand it over now
+            self._hand_off(key)
+
+    def _second_gradient(self, key: int) -> None:
+        if self.stage == 2:
+            raise RuntimeError(
+                f"deepspeed-compile: parameter {self._names[key]!r} got a gradient from eager code after ZeRO-2 had "
+                "reduced its gradient from the compiled graphs in this backward (a weight used both inside and "
+                "outside the compiled graphs, with the eager use earlier in forward). Compile the code that uses it, "
+                "or keep its uses on one side of the graph break")
+        self._handed.discard(key)  # ZeRO-1 reduces from param.grad at the boundary: accumulating again is right
+
+    def _hand_off(self, key: int) -> None:
+        """The body of ZeRO-1/2's own gradient hook for this parameter (``create_gradient_handling_hooks``)."""
+        self._arrived.discard(key)
+        self._handed.add(key)
+        self.counters.reduces += 1
+        if not self._zero_hooks:
+            return
+        optimizer = self.optimizer
+        optimizer.reenter_backward_if_needed()
+        optimizer.process_gradients(self.params[key], self._group[key])
+        # ZeRO's hook queues the engine's post-backward callback (torch-style loss.backward() ends the step there);
+        # the count of hooks to expect only matters where autograd cannot queue it. ZeRO counts the parameters
+        # autograd will reach, which is not computable inside a compiled op (autograd is below it): every trained
+        # parameter is an upper bound, so the callback never runs early.
+        optimizer.update_hook_state_and_maybe_run_epilogue(len(self.params))
+
+    # ----- DeepSpeed's hooks ---------------------------------------------------------------------------------
+    def _take_over_grad_hooks(self) -> None:
+        """ZeRO's gradient hooks out, ours in: a gradient autograd accumulates from eager code reaches ZeRO through
+        this runtime, which knows whether the compiled graphs still owe that parameter a gradient."""
+        for hook in self.optimizer._grad_acc_hooks:
+            hook.remove()
+        self.optimizer._grad_acc_hooks.clear()
+        self._own_hooks = []
+        for key, param in self.params.items():
+            self._own_hooks.append(param.register_hook(functools.partial(self._on_incoming, key)))
+            self._own_hooks.append(param.register_post_accumulate_grad_hook(self._on_accumulated))
+
+    def _on_incoming(self, key: int, grad: Optional[Tensor]) -> None:
+        """Autograd is about to accumulate into parameter ``key``: ``grad`` is None when it comes only from the
+        compiled graphs (their backward returns None for it), else the gradient of its eager uses."""
+        if grad is not None:
+            self._eager_incoming.add(key)
+
+    def _count_bucket_reductions(self) -> None:
+        """Count and time ZeRO's bucket reductions (its ``reduce_ipg_grads``), wherever ZeRO starts them."""
+        optimizer = self.optimizer
+        reduce_ipg_grads = type(optimizer).reduce_ipg_grads.__get__(optimizer)
+
+        def counted(comm_dtype=None):
+            buckets = optimizer.ipg_buckets
+            dtypes = [comm_dtype] if comm_dtype is not None else list(buckets)
+            sizes = [(buckets[d].elements, d) for d in dtypes if d in buckets and buckets[d].elements]
+            start = time.perf_counter()
+            try:
+                return reduce_ipg_grads(comm_dtype)
+            finally:
+                c = self.counters
+                c.reduce_wait_seconds += time.perf_counter() - start
+                c.reduce_collectives += len(sizes)
+                c.reduce_bytes += sum(n * torch.empty((), dtype=d).element_size() for n, d in sizes)
+
+        optimizer.reduce_ipg_grads = counted
+
+    def detach(self) -> None:
+        """Give ZeRO its own gradient hooks and reductions back (the engine returns to eager ZeRO-1/2)."""
+        for hook in self._own_hooks:
+            hook.remove()
+        self._own_hooks = []
+        self.optimizer.__dict__.pop("reduce_ipg_grads", None)
+        if self._zero_hooks and not self.optimizer._grad_acc_hooks:
+            self.optimizer.create_gradient_handling_hooks()
+        if self.input_cast_hook is not None:
+            self.input_cast_hook.remove()
+            self.input_cast_hook = None
+
+    # ----- engine hooks ----------------------------------------------------------------------------------
+    def forward_context(self):
+        return _Forward(self)
+
+    def reset_counters(self) -> None:
+        self.counters = Z12Counters()
+
+    def backward_prologue(self, is_boundary: bool) -> None:
+        return None  # the engine tells ZeRO's optimizer about the boundary itself
+
+    def backward_epilogue(self) -> None:
+        if not self._backward_pending:
+            return
+        self._backward_pending = False
+        for key in sorted(self._arrived):  # a graph that owed a gradient produced none: hand over what came
+            self._hand_off(key)
+        self._grad_sources.clear()
+        self._handed.clear()
+        self._reduce_as_the_engine()
+
+    def _reduce_as_the_engine(self) -> None:
+        """``engine.allreduce_gradients`` (which the engine skips while DeepCompile is active), for ZeRO-1/2."""
+        engine, optimizer = self.engine, self.optimizer
+        if not engine.enable_backward_allreduce or engine.inside_no_sync_ctxt:
+            return
+        boundary = engine.is_gradient_accumulation_boundary()
+        optimizer.set_gradient_accumulation_boundary(boundary)
+        if engine.zero_optimization_partition_gradients():
+            optimizer.overlapping_partition_gradients_reduce_epilogue()
+        elif boundary:
+            optimizer.reduce_gradients(pipeline_parallel=engine.pipeline_parallelism)
+
+
+class _Forward:
+    """One forward of the engine: whether a backward will follow it (it ends the step's gradient bookkeeping)."""
+
+    def __init__(self, runtime: Z12Runtime):
+        self.runtime = runtime
+
+    def __enter__(self):
+        if not self.runtime._backward_pending:
+            self.runtime._grad_sources.clear()
+        return None
+
+    def __exit__(self, *exc) -> None:
+        runtime = self.runtime
+        runtime._backward_pending = runtime._backward_pending or (exc[0] is None and torch.is_grad_enabled())
+        if not runtime._backward_pending:
+            runtime._grad_sources.clear()
