@@ -35,7 +35,9 @@ from benchmarks.memory import live_tensor_bytes, mark, step_peak, trace_memory  
 from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_count  # noqa: E402
 from benchmarks.saved import saved_bytes  # noqa: E402
 
-ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-default", "fsdp2", "fsdp2+compile")
+ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-default", "fsdp2", "fsdp2+compile",
+        "zero1", "ours-zero1", "zero2", "zero2+compile", "ours-zero2")
+EAGER_ROWS = ("zero3", "zero1", "zero2", "fsdp2")  # rows that compile nothing
 DTYPES = ("fp32", "bf16", "autocast")
 LR = 1e-3
 CLIP = 1.0  # DeepSpeed 0.19.8 clips at norm 1.0 by default; FSDP2 is clipped the same way
@@ -44,10 +46,10 @@ Step = Tuple[Callable[[Tuple[torch.Tensor, ...]], torch.Tensor], Callable[[torch
 
 
 def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optional[Dict[str, Any]],
-              zero_settings: str = "tuned") -> Dict[str, Any]:
-    """One ZeRO-3 config for every DeepSpeed row. ``tuned``: buckets sized to the model (reduce a quarter of it,
-    prefetch an eighth), nothing persistent.
-    ``defaults``: the ZeRO section says only ``stage: 3``, as most users' configs do (DeepSpeed's 5e8-element
+              zero_settings: str = "tuned", stage: int = 3) -> Dict[str, Any]:
+    """One ZeRO config for every DeepSpeed row (stage 3 unless ``stage``). ``tuned``: buckets sized to the model
+    (reduce a quarter of it, prefetch an eighth), nothing persistent.
+    ``defaults``: the ZeRO section says only the stage, as most users' configs do (DeepSpeed's 5e8-element
     buckets, parameters under 1e5 elements persistent)."""
     bucket = int(max(model_numel // 4, 1 << 16))
     config: Dict[str, Any] = {
@@ -64,7 +66,9 @@ def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optiona
         "steps_per_print": 1 << 30,
     }
     if zero_settings == "defaults":
-        config["zero_optimization"] = {"stage": 3}
+        config["zero_optimization"] = {"stage": stage}
+    elif stage != 3:  # ZeRO-1/2 read the reduce and all-gather buckets only
+        config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     elif zero_settings != "tuned":
         raise ValueError(f"zero_settings must be 'tuned' or 'defaults', got {zero_settings!r}")
     if dtype == "bf16":
@@ -81,11 +85,12 @@ def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[S
     section = None
     if args.row.startswith("ours-"):
         section = {"deepcompile": True, "partitioner": "default" if args.row == "ours-default" else "min_cut"}
-    config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section, args.zero_settings)
+    stage = 1 if "zero1" in args.row else 2 if "zero2" in args.row else 3
+    config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section, args.zero_settings, stage)
     if args.row == "ours-mincut+keep":
         section["keep_gathered_bytes"] = "prefetch"  # about what backward's first run would gather again at once
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
-    if args.row != "zero3":
+    if args.row not in EAGER_ROWS:
         engine.compile(backend=args.backend)
     return (lambda batch: engine(*batch), engine.backward, engine.step), engine
 
@@ -192,7 +197,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     mean_loss = torch.tensor([losses[-1]], dtype=torch.float64)
     dist.all_reduce(mean_loss)
     result: Dict[str, Any] = {
-        "row": args.row, "backend": args.backend if args.row not in ("zero3", "fsdp2") else "-",
+        "row": args.row, "backend": args.backend if args.row not in EAGER_ROWS else "-",
         "dtype": args.dtype, "model": args.model, "size": args.size, "world_size": dist.get_world_size(),
         "params": n_params,
         "first_step_s": times[0], "step_times_s": times[1 + args.warmup:1 + args.warmup + args.steps],
@@ -206,7 +211,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "comm_source": "torch.distributed", "peak_gathered_bytes": None, "report": ours,
         "compile_timers": compile_timers,
     }
-    if ours is not None:
+    if ours is not None and ours["zero_stage"] == 3:  # ZeRO-1/2 rows are counted at torch.distributed, as zero1/2
         result.update(saved_param_bytes=ours.get("saved_param_bytes"), saved_other_bytes=ours.get("saved_other_bytes"),
                       saved_source="engine_report", comm_source="engine_report",
                       allgather_bytes_per_step=ours.get("allgather_bytes", 0) / args.steps,
