@@ -157,7 +157,7 @@ OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": Tr
 def ds_config(stage: int = 3, compile_section: Optional[Dict[str, Any]] = None, dtype: str = "fp32",
               grad_accum: int = 1, batch: int = 4, persistence_threshold: int = 0, optimizer: str = "adamw",
               gradient_clipping: float = 0.0, fp16_initial_scale_power: int = 16,
-              fp16_auto_cast: bool = False) -> Dict[str, Any]:
+              fp16_auto_cast: bool = False, zero_overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One ZeRO config for every test; bucket sizes fit the tiny models (DeepSpeed's defaults would
     pre-allocate gigabytes)."""
     config: Dict[str, Any] = {
@@ -172,6 +172,7 @@ def ds_config(stage: int = 3, compile_section: Optional[Dict[str, Any]] = None, 
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1000,
     }
+    config["zero_optimization"].update(zero_overrides or {})
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     elif dtype == "autocast":

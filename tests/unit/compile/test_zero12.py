@@ -19,6 +19,10 @@ FP32_CASES = {  # name: (model, ds_config keywords)
     "accumulation": ("mlp", {"grad_accum": 2}),
     "frozen": ("frozen", {}),
     "clipping": ("gpt", {"gradient_clipping": 0.05}),  # the measured gradient norm is about 0.5: it clips
+    # ZeRO's other reduce paths: its side-stream overlap, and buckets of gradient references instead of copies (the
+    # runtime must then hand ZeRO a gradient of its own)
+    "overlap_comm": ("gpt", {"zero_overrides": {"overlap_comm": True}}),
+    "no_contiguous": ("gpt", {"zero_overrides": {"contiguous_gradients": False}}),
 }
 
 
@@ -201,3 +205,46 @@ def test_inductor_matches_eager_zero(stage):
     for r in run_distributed(_inductor, stage, timeout_s=500):
         assert r["active"] and r["reduces"] > 0, r
         assert r["loss"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
+# ----- a transformers model at DeepSpeed's default settings ------------------------------------------------------
+def _hf_defaults(stage):
+    """``transformers`` GPT-2 (2 layers) with a ZeRO section that says only the stage, as users write it."""
+    import deepspeed
+    import torch
+    import models_eager
+    from compare import full_params, unequal
+    from deepspeed.compile.report import engine_report
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    out = {}
+    for name, section in (("eager", None), ("deepcompile", {"deepcompile": True})):
+        torch._dynamo.reset()
+        model = models_eager.make("gpt2")
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                  "zero_allow_untested_optimizer": True, "steps_per_print": 1000}
+        if section is not None:
+            config["compile"] = section
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+        if section is not None:
+            engine.compile(backend="eager")
+        losses = []
+        for step in range(4):
+            idx, _ = models_eager.batch(step, rank, 16)
+            loss = engine(input_ids=idx, labels=idx).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[name] = {"losses": losses, "params": full_params(engine), "report": engine_report(engine)}
+        engine.destroy()
+    return {"losses": (out["deepcompile"]["losses"], out["eager"]["losses"]), "report": out["deepcompile"]["report"],
+            "params": unequal(out["deepcompile"]["params"], out["eager"]["params"])}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_transformers_gpt2_at_default_settings_matches_eager_zero_bitwise(stage):
+    for r in run_distributed(_hf_defaults, stage, timeout_s=400):
+        assert r["losses"][0] == r["losses"][1] and r["params"] == [], r
+        assert r["report"]["zero_stage"] == stage and r["report"]["graphs_compiled"] >= 1, r["report"]
+        assert r["report"]["reduces"] > 0, r["report"]
