@@ -7,6 +7,8 @@ untouched by the skipped step). The exception is world size 4, where gloo's summ
 """
 import math
 
+import pytest
+
 import torch
 
 from distributed import run_distributed
@@ -160,14 +162,14 @@ def _allow_fp16_on_cpu():
         accelerator.is_fp16_supported = lambda: True
 
 
-def _fp16_run(compile_section):
+def _fp16_run(compile_section, stage=3):
     import torch.distributed as dist
     from compare import full_grads, full_params, unequal
     from models import ds_config, make_batch
     from training import make_engine
     _allow_fp16_on_cpu()
     torch._dynamo.reset()
-    engine = make_engine("mlp", ds_config(3, compile_section, "fp16", optimizer="sgd", fp16_initial_scale_power=8))
+    engine = make_engine("mlp", ds_config(stage, compile_section, "fp16", optimizer="sgd", fp16_initial_scale_power=8))
     if compile_section:
         engine.compile(backend="eager")
     rank = dist.get_rank()
@@ -192,15 +194,17 @@ def _fp16_run(compile_section):
     return out
 
 
-def _fp16_pair():
+def _fp16_pair(stage):
     from compare import run_eager
     fp32 = run_eager("mlp", 1, optimizer="sgd")  # the fp32 gradient at step 0, from the same start
-    return _fp16_run(None), _fp16_run({"deepcompile": True}), fp32["eager_grads"][0]
+    return _fp16_run(None, stage), _fp16_run({"deepcompile": True}, stage), fp32["eager_grads"][0]
 
 
-def test_fp16_dynamic_loss_scaling_matches_eager_zero3():
+@pytest.mark.parametrize("stage", [3, 2, 1])
+def test_fp16_dynamic_loss_scaling_matches_eager_zero(stage):
+    """Against eager ZeRO of the same stage: DeepCompile for ZeRO-1/2 hands fp16 gradients to the same loss scaler."""
     from compare import rel_diffs, unequal
-    for eager, compiled, fp32_grads in run_distributed(_fp16_pair):
+    for eager, compiled, fp32_grads in run_distributed(_fp16_pair, stage):
         assert compiled["active"]
         # loss scaling: the same overflow, skipped, the scale halved once, the skipped step left every parameter
         assert compiled["skipped"] == eager["skipped"] == [0] * OVERFLOW_STEP + [1] * (FP16_STEPS - OVERFLOW_STEP)
