@@ -76,6 +76,15 @@ class GraphCompiler:
             if ds_id is not None:
                 node.meta[META_DS_ID] = ds_id
         self.num_fwd_outputs = num_fwd_outputs
+        if self.backend == "inductor":
+            # inductor's own joint-graph passes first (pattern rewrites, no-op removal), as plain torch.compile runs
+            # them before its partition: without them the partition saves more for backward than torch.compile's
+            from torch._inductor.compile_fx import partition_fn as inductor_partition
+            return inductor_partition(joint, joint_inputs, partitioner_fn_override=self._partition,
+                                      num_fwd_outputs=num_fwd_outputs, **kwargs)
+        return self._partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    def _partition(self, joint: GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         if self.config.partitioner == "min_cut":
             budget = self.keep_budget() - self.stats.kept_gathered_bytes
             kept = choose_kept_params(joint, budget) if budget > 0 else {}
