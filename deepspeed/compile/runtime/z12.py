@@ -18,6 +18,7 @@ delivered, as autograd sums them before its single ``AccumulateGrad``.
 """
 import functools
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set
 
@@ -210,7 +211,7 @@ class Z12Runtime:
                 c = self.counters
                 c.reduce_wait_seconds += time.perf_counter() - start
                 c.reduce_collectives += len(sizes)
-                c.reduce_bytes += sum(n * torch.empty((), dtype=d).element_size() for n, d in sizes)
+                c.reduce_bytes += sum(n * d.itemsize for n, d in sizes)
 
         optimizer.reduce_ipg_grads = counted
 
@@ -227,8 +228,15 @@ class Z12Runtime:
             self.input_cast_hook = None
 
     # ----- engine hooks ----------------------------------------------------------------------------------
+    @contextmanager
     def forward_context(self):
-        return _Forward(self)
+        """One forward of the engine; with grad enabled, a backward will end the step's gradient bookkeeping."""
+        if not self._backward_pending:
+            self._grad_sources.clear()
+        yield
+        self._backward_pending = self._backward_pending or torch.is_grad_enabled()
+        if not self._backward_pending:
+            self._grad_sources.clear()
 
     def reset_counters(self) -> None:
         self.counters = Z12Counters()
@@ -258,20 +266,3 @@ class Z12Runtime:
         elif boundary:
             optimizer.reduce_gradients(pipeline_parallel=engine.pipeline_parallelism)
 
-
-class _Forward:
-    """One forward of the engine: whether a backward will follow it (it ends the step's gradient bookkeeping)."""
-
-    def __init__(self, runtime: Z12Runtime):
-        self.runtime = runtime
-
-    def __enter__(self):
-        if not self.runtime._backward_pending:
-            self.runtime._grad_sources.clear()
-        return None
-
-    def __exit__(self, *exc) -> None:
-        runtime = self.runtime
-        runtime._backward_pending = runtime._backward_pending or (exc[0] is None and torch.is_grad_enabled())
-        if not runtime._backward_pending:
-            runtime._grad_sources.clear()
