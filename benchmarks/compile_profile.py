@@ -23,16 +23,22 @@ _POST_GRAD = "_recursive_post_grad_passes"  # inductor's own FX passes on the pa
 # (torch's compile_file timer covers only part of the C++ compiles, some run inside codegen: one phase here)
 _TO_MODULE = "GraphLowering.compile_to_module"
 
+_KERNELS = "count:kernels generated"  # inductor's generated (fused) kernels, before it deduplicates identical ones
+_IR_NODES = "count:IR nodes before fusion"
+
 PHASES = ("dynamo", "AOTAutograd", "our passes", "inductor lowering", "inductor post-grad passes",
           "inductor codegen + C++ compile + load", "inductor other", "compiler glue", "running step 0")
 
 
 def record() -> Dict[str, float]:
     """Seconds per torch compile timer so far in this process, and ``calls:<timer>``: how often it ran (for
-    ``compile_fx_inner``, the graphs inductor compiled; for ``_compile.compile_inner``, the frames dynamo compiled)."""
+    ``compile_fx_inner``, the graphs inductor compiled; for ``_compile.compile_inner``, the frames dynamo compiled), and inductor's kernel and IR-node counters."""
     from torch._dynamo.utils import compilation_time_metrics
     out = {key: float(sum(values)) for key, values in compilation_time_metrics.items()}
     out.update({f"calls:{key}": float(len(values)) for key, values in compilation_time_metrics.items()})
+    from torch._inductor import metrics  # process-wide counters inductor adds to as it generates code
+    out[_KERNELS] = float(metrics.generated_kernel_count)
+    out[_IR_NODES] = float(metrics.ir_nodes_pre_fusion)
     return out
 
 
@@ -74,4 +80,6 @@ def table(results: List[Dict[str, Any]]) -> str:
     for label, key in (("frames dynamo compiled", _FRAME), ("graphs inductor compiled", _INDUCTOR)):
         lines.append(f"| {label} | " + " | ".join(f"{r['compile_timers'].get('calls:' + key, 0):.0f}" for r in rows)
                      + " |")
+    for label, key in (("kernels inductor generated", _KERNELS), ("IR nodes before fusion", _IR_NODES)):
+        lines.append(f"| {label} | " + " | ".join(f"{r['compile_timers'].get(key, 0):.0f}" for r in rows) + " |")
     return "\n".join(lines)

@@ -55,6 +55,7 @@ def run_config(args: argparse.Namespace, row: str, backend: str, dtype: str) -> 
            os.path.join(REPO_ROOT, "benchmarks", "worker.py"), "--row", row, "--dtype", dtype,
            "--backend", "eager" if backend == "-" else backend, "--model", args.model, "--size", args.size,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--zero-settings", args.zero_settings,
+           "--fsdp2-autocast", args.fsdp2_autocast, "--activation-memory-budget", str(args.activation_memory_budget),
            "--out", out_json]
     if args.progress:
         cmd.append("--progress")
@@ -172,6 +173,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="ranks per configuration")
     p.add_argument("--zero-settings", choices=("tuned", "defaults"), default="tuned",
                    help="ZeRO-3 knobs: sized to the model (tuned) or DeepSpeed's defaults (only stage 3 set)")
+    p.add_argument("--fsdp2-autocast", choices=("policy", "torch"), default="policy",
+                   help="FSDP2 rows under autocast: FSDP2's mixed-precision policy (bf16 parameters and compute, the "
+                        "default) or torch.autocast over fp32 parameters, the numerics of DeepSpeed's torch_autocast")
+    p.add_argument("--activation-memory-budget", type=float, default=1.0,
+                   help="torch's partitioner budget (torch._functorch.config.activation_memory_budget) for every "
+                        "compiled row alike; below 1.0 it recomputes more to save fewer activations")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "out", "bench"))
     p.add_argument("--progress", action="store_true", help="show each step of each configuration")

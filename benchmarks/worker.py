@@ -100,7 +100,8 @@ def build_fsdp2(args: argparse.Namespace, model: torch.nn.Module) -> Step:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     policy = MixedPrecisionPolicy()
-    if args.dtype == "autocast":  # bf16 compute, fp32 gradient reduction: the counterpart of torch autocast
+    autocast = args.dtype == "autocast" and args.fsdp2_autocast == "torch"
+    if args.dtype == "autocast" and not autocast:  # FSDP2's own: bf16 parameters and compute, fp32 gradient reduction
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     elif args.dtype == "bf16":  # bf16 compute and reduction over fp32 master weights, as DeepSpeed's bf16
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
@@ -108,14 +109,20 @@ def build_fsdp2(args: argparse.Namespace, model: torch.nn.Module) -> Step:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    forward = torch.compile(model, backend=args.backend) if args.row == "fsdp2+compile" else model
+    compiled = torch.compile(model, backend=args.backend) if args.row == "fsdp2+compile" else model
+
+    def forward(batch: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        # torch.autocast over fp32 parameters: the numerics of DeepSpeed's torch_autocast (norms, softmax and the
+        # residual stream stay fp32), where FSDP2's policy computes everything in bf16
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return compiled(*batch)
 
     def step() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return (lambda batch: forward(*batch), lambda loss: loss.backward(), step)
+    return (forward, lambda loss: loss.backward(), step)
 
 
 def train_step(fns: Step, batch: Tuple[torch.Tensor, ...], walk: bool = False) -> Tuple[float, Optional[Tuple]]:
@@ -149,6 +156,9 @@ def _downsample(times: List[float], values: List[int], limit: int = 4000) -> Tup
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     rank = dist.get_rank()
+    # torch's partitioner option, for every compiled row alike (ours partitions with torch's min-cut too)
+    import torch._functorch.config as functorch_config
+    functorch_config.activation_memory_budget = args.activation_memory_budget
     model = make_model(args.model, args.size, args.seed)
     n_params = parameter_count(model)
     engine = None
@@ -243,6 +253,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--zero-settings", choices=("tuned", "defaults"), default="tuned",
                    help="ZeRO-3 knobs of the DeepSpeed rows: sized to the model, or DeepSpeed's defaults")
+    p.add_argument("--fsdp2-autocast", choices=("policy", "torch"), default="policy",
+                   help="FSDP2 rows under --dtype autocast: FSDP2's mixed-precision policy (bf16 parameters and "
+                        "compute) or torch.autocast over fp32 parameters (DeepSpeed's torch_autocast numerics)")
+    p.add_argument("--activation-memory-budget", type=float, default=1.0,
+                   help="torch._functorch.config.activation_memory_budget for every compiled row (1.0: torch's default)")
     p.add_argument("--progress", action="store_true", help="print one line per step on rank 0")
     p.add_argument("--out", help="JSON result path (rank 0)")
     return p.parse_args(argv)
