@@ -32,7 +32,8 @@ PHASES = ("dynamo", "AOTAutograd", "our passes", "inductor lowering", "inductor 
 
 def record() -> Dict[str, float]:
     """Seconds per torch compile timer so far in this process, and ``calls:<timer>``: how often it ran (for
-    ``compile_fx_inner``, the graphs inductor compiled; for ``_compile.compile_inner``, the frames dynamo compiled), and inductor's kernel and IR-node counters."""
+    ``compile_fx_inner``, the graphs inductor compiled; for ``_compile.compile_inner``, the frames dynamo compiled),
+    and inductor's counts of generated kernels and IR nodes."""
     from torch._dynamo.utils import compilation_time_metrics
     out = {key: float(sum(values)) for key, values in compilation_time_metrics.items()}
     out.update({f"calls:{key}": float(len(values)) for key, values in compilation_time_metrics.items()})

@@ -25,7 +25,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from benchmarks import compile_profile  # noqa: E402
 from benchmarks.plots import config_name, file_stem, plot_all  # noqa: E402
-from benchmarks.worker import DTYPES, EAGER_ROWS, ROWS  # noqa: E402
+from benchmarks.worker import DTYPES, EAGER_ROWS, ROWS, add_setting_args, setting_argv  # noqa: E402
 
 # Final-loss agreement within one dtype, relative to the reference row. fp32: the math is the same, compiled
 # kernels only reorder reductions, so differences stay at fp32 round-off amplified by a few Adam steps.
@@ -54,8 +54,7 @@ def run_config(args: argparse.Namespace, row: str, backend: str, dtype: str) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            os.path.join(REPO_ROOT, "benchmarks", "worker.py"), "--row", row, "--dtype", dtype,
            "--backend", "eager" if backend == "-" else backend, "--model", args.model, "--size", args.size,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--zero-settings", args.zero_settings,
-           "--fsdp2-autocast", args.fsdp2_autocast, "--activation-memory-budget", str(args.activation_memory_budget),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), *setting_argv(args),
            "--out", out_json]
     if args.progress:
         cmd.append("--progress")
@@ -171,14 +170,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")
     p.add_argument("--nproc", type=int, default=2, help="ranks per configuration")
-    p.add_argument("--zero-settings", choices=("tuned", "defaults"), default="tuned",
-                   help="ZeRO-3 knobs: sized to the model (tuned) or DeepSpeed's defaults (only stage 3 set)")
-    p.add_argument("--fsdp2-autocast", choices=("policy", "torch"), default="policy",
-                   help="FSDP2 rows under autocast: FSDP2's mixed-precision policy (bf16 parameters and compute, the "
-                        "default) or torch.autocast over fp32 parameters, the numerics of DeepSpeed's torch_autocast")
-    p.add_argument("--activation-memory-budget", type=float, default=1.0,
-                   help="torch's partitioner budget (torch._functorch.config.activation_memory_budget) for every "
-                        "compiled row alike; below 1.0 it recomputes more to save fewer activations")
+    add_setting_args(p)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "out", "bench"))
     p.add_argument("--progress", action="store_true", help="show each step of each configuration")

@@ -100,8 +100,8 @@ def build_fsdp2(args: argparse.Namespace, model: torch.nn.Module) -> Step:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     policy = MixedPrecisionPolicy()
-    autocast = args.dtype == "autocast" and args.fsdp2_autocast == "torch"
-    if args.dtype == "autocast" and not autocast:  # FSDP2's own: bf16 parameters and compute, fp32 gradient reduction
+    autocast = args.dtype == "autocast" and args.fsdp2_autocast == "torch"  # else FSDP2's own mixed precision
+    if args.dtype == "autocast" and not autocast:  # bf16 parameters and compute, fp32 gradient reduction
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     elif args.dtype == "bf16":  # bf16 compute and reduction over fp32 master weights, as DeepSpeed's bf16
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
@@ -241,6 +241,24 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+def add_setting_args(p: argparse.ArgumentParser) -> None:
+    """The settings ``run.py`` takes and hands to every worker as they are (``setting_argv``)."""
+    p.add_argument("--zero-settings", choices=("tuned", "defaults"), default="tuned",
+                   help="ZeRO knobs of the DeepSpeed rows: sized to the model (tuned) or DeepSpeed's defaults (only "
+                        "the stage set)")
+    p.add_argument("--fsdp2-autocast", choices=("policy", "torch"), default="policy",
+                   help="FSDP2 rows under autocast: FSDP2's mixed-precision policy (bf16 parameters and compute, the "
+                        "default) or torch.autocast over fp32 parameters, the numerics of DeepSpeed's torch_autocast")
+    p.add_argument("--activation-memory-budget", type=float, default=1.0,
+                   help="torch's partitioner budget (torch._functorch.config.activation_memory_budget) for every "
+                        "compiled row alike; below 1.0 it recomputes more to save fewer activations")
+
+
+def setting_argv(args: argparse.Namespace) -> List[str]:
+    return ["--zero-settings", args.zero_settings, "--fsdp2-autocast", args.fsdp2_autocast,
+            "--activation-memory-budget", str(args.activation_memory_budget)]
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--row", choices=ROWS, required=True)
@@ -251,13 +269,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--zero-settings", choices=("tuned", "defaults"), default="tuned",
-                   help="ZeRO-3 knobs of the DeepSpeed rows: sized to the model, or DeepSpeed's defaults")
-    p.add_argument("--fsdp2-autocast", choices=("policy", "torch"), default="policy",
-                   help="FSDP2 rows under --dtype autocast: FSDP2's mixed-precision policy (bf16 parameters and "
-                        "compute) or torch.autocast over fp32 parameters (DeepSpeed's torch_autocast numerics)")
-    p.add_argument("--activation-memory-budget", type=float, default=1.0,
-                   help="torch._functorch.config.activation_memory_budget for every compiled row (1.0: torch's default)")
+    add_setting_args(p)
     p.add_argument("--progress", action="store_true", help="print one line per step on rank 0")
     p.add_argument("--out", help="JSON result path (rank 0)")
     return p.parse_args(argv)
