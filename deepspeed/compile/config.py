@@ -61,6 +61,11 @@ class CompileConfig(DeepSpeedConfigModel):
     parameters. ``"prefetch"``: one prefetch bucket (``stage3_prefetch_bucket_size`` elements of the parameters'
     dtype), about what backward's first run of gathers would gather again at once. 0 (the default): every parameter
     is gathered again in backward."""
+    aot_cache: bool = True
+    """With ``backend="inductor"``: let torch's AOTAutograd cache (``torch._functorch.config.enable_autograd_cache``,
+    on by default, in ``TORCHINDUCTOR_CACHE_DIR``) serve compiled graphs to a later process, keyed on this module's
+    source and settings; a warm start then skips AOTAutograd, our passes and inductor's lowering. False: compile
+    every graph afresh (inductor's FX-graph cache still applies)."""
     collective_timeout_s: float = Field(default=0.0, ge=0.0)
     """If > 0, a gather or reduce that has not completed after this many seconds raises instead of hanging."""
 

@@ -23,6 +23,7 @@ from torch.fx import GraphModule
 
 from ..config import CompileConfig
 from ..graph import rewrite
+from . import cache
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, placeholders
 from ..runtime.ops import PLAIN_CALLS
 from ..graph.recompute import choose_kept_params, tag_param_aliases_pass
@@ -36,9 +37,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class CompileStats:
-    """What compiling an engine's graphs found, summed over its graphs (``report.engine_report`` reads it)."""
+    """What compiling an engine's graphs found, summed over its graphs (``report.engine_report`` reads it). A graph
+    loaded from torch's AOTAutograd cache adds what compiling it found, from its record (``capture/cache.py``)."""
     saved: SavedBytes = field(default_factory=SavedBytes)  # saved-for-backward bytes of the forward graphs
-    graphs_compiled: int = 0  # forward graphs
+    graphs_compiled: int = 0  # forward graphs, compiled here or loaded
+    graphs_loaded: int = 0  # of those, loaded from torch's AOTAutograd cache: our compilers did not run for them
     # per compiled graph, in compile order: the (op, ds_id) sequence of its collectives (same on every rank)
     collective_orders: List[List[Tuple[str, int]]] = field(default_factory=list)
     pass_times: Dict[str, float] = field(default_factory=dict)  # seconds per pipeline pass
@@ -48,6 +51,16 @@ class CompileStats:
     # seconds in the forward / backward graph compilers (our passes and the backend's compile), per direction
     compile_seconds: Dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
     kept_gathered_bytes: int = 0  # of compile.keep_gathered_bytes, taken by parameters kept gathered for backward
+
+    def add(self, part: Dict) -> None:
+        """Add what compiling one direction of one graph found (:meth:`GraphCompiler._account`)."""
+        self.collective_orders.append([tuple(item) for item in part["order"]])
+        self.planned_peak_gathered_bytes = max(self.planned_peak_gathered_bytes, part["planned_peak"])
+        if "saved" in part:
+            saved = part["saved"]
+            self.saved += SavedBytes(**saved) if isinstance(saved, dict) else saved
+        self.graphs_compiled += part.get("graphs", 0)
+        self.kept_gathered_bytes += part.get("kept", 0)
 
 
 class GraphCompiler:
@@ -66,9 +79,16 @@ class GraphCompiler:
         self.grad_keys = param_ds_ids if grad_keys is None else grad_keys
         self.num_fwd_outputs: Optional[int] = None
         self.escaped: Dict[str, int] = {}
+        self.kept = 0  # bytes of parameters this graph keeps gathered for backward
+        self.compiled = False  # set by the forward compiler: False after AOTAutograd means torch loaded the graph
+        self.record: Optional[str] = None  # name of this graph's compile record (capture/cache.py), when caching
 
     # --- partition ---------------------------------------------------------------------------------------
     def partition(self, joint: GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+        """AOTAutograd's partition step. Under inductor it runs as inductor's custom partitioner
+        (``capture/cache.Partitioner``), after inductor's own joint-graph passes (pattern rewrites, no-op removal)
+        as plain torch.compile runs them: without them the partition saves more for backward than torch.compile's."""
+        kwargs.pop("compiler", None)  # inductor names itself; both partitions below compile for any backend
         primals = [n for n in placeholders(joint.graph) if "tangents" not in n.name]
         if len(primals) != len(self.param_ds_ids):
             raise AssertionError(f"joint graph has {len(primals)} primals for {len(self.param_ds_ids)} inputs")
@@ -76,19 +96,10 @@ class GraphCompiler:
             if ds_id is not None:
                 node.meta[META_DS_ID] = ds_id
         self.num_fwd_outputs = num_fwd_outputs
-        if self.backend == "inductor":
-            # inductor's own joint-graph passes first (pattern rewrites, no-op removal), as plain torch.compile runs
-            # them before its partition: without them the partition saves more for backward than torch.compile's
-            from torch._inductor.compile_fx import partition_fn as inductor_partition
-            return inductor_partition(joint, joint_inputs, partitioner_fn_override=self._partition,
-                                      num_fwd_outputs=num_fwd_outputs, **kwargs)
-        return self._partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-
-    def _partition(self, joint: GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         if self.config.partitioner == "min_cut":
             budget = self.keep_budget() - self.stats.kept_gathered_bytes
             kept = choose_kept_params(joint, budget) if budget > 0 else {}
-            self.stats.kept_gathered_bytes += sum(kept.values())
+            self.kept = sum(kept.values())
             tag_param_aliases_pass(joint, keep=frozenset(kept))
             return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                        **kwargs)
@@ -112,8 +123,7 @@ class GraphCompiler:
                                                                    collective_order="first_use")))
         if self.runtime.gather_bucket_numel > 0:
             passes.append(("coalesce_gathers", functools.partial(rewrite.coalesce_gathers_pass,
-                                                                 bucket_numel=self.runtime.gather_bucket_numel,
-                                                                 add_plans=self.runtime.add_gather_plans)))
+                                                                 bucket_numel=self.runtime.gather_bucket_numel)))
         passes.append(("pin_gathers", rewrite.pin_gathers_pass))
         return passes
 
@@ -125,12 +135,12 @@ class GraphCompiler:
             self.stats.compile_seconds["forward"] += time.perf_counter() - start
 
     def _compile_forward(self, gm: GraphModule, example_inputs):
+        self.compiled = True
         gm = run_passes(gm, self._common_passes(), self.stats.pass_times)
         self.escaped = rewrite.escaped_saved_names(gm)
         inference = self.num_fwd_outputs is None  # no partition ran: nothing is saved for backward
-        if not inference:
-            self.stats.saved += saved_for_backward(gm, self.num_fwd_outputs)
-        self.stats.graphs_compiled += 1
+        saved = {} if inference else {"saved": saved_for_backward(gm, self.num_fwd_outputs)}
+        self._account("forward", gm, graphs=1, kept=self.kept, **saved)
         return self._finish(gm, example_inputs, is_backward=False, is_inference=inference)
 
     def compile_backward(self, gm: GraphModule, example_inputs):
@@ -155,21 +165,35 @@ class GraphCompiler:
         passes = [("insert_reduces", functools.partial(rewrite.insert_reduces_pass, runtime_id=rid,
                                                        grad_ds_ids=self.grad_keys))]
         gm = run_passes(gm, passes + self._common_passes(), self.stats.pass_times)
+        self._account("backward", gm)
         return self._finish(gm, example_inputs, is_backward=True, is_inference=False)
 
+    def _account(self, direction: str, gm: GraphModule, **found) -> None:
+        """Add what compiling one direction of this graph found to the engine's stats, and to its compile record
+        when torch may cache the graph (a process that loads it adds the record instead, :meth:`load_record`)."""
+        part = {"order": collective_order(gm), "planned_peak": peak_gathered_bytes(gm), **found}
+        self.stats.add(part)
+        if self.record is not None:
+            cache.write_record(self.record, direction, cache.as_plain(part))
+
+    def load_record(self) -> None:
+        """torch loaded this graph from its AOTAutograd cache: add what compiling it found, from its record."""
+        self.stats.graphs_loaded += 1
+        parts = [cache.read_record(self.record, direction) for direction in ("forward", "backward")]
+        if parts[0] is None:
+            log.warning("deepspeed-compile: a graph was loaded from torch's AOTAutograd cache without its compile "
+                        "record (%s): engine_report's saved bytes, planned peak and collective order leave it out",
+                        cache.record_dir())
+            return
+        for part in parts:
+            if part is not None:  # no backward part: an inference graph, or a process that never ran backward
+                self.stats.add(part)
+
     def _finish(self, gm: GraphModule, example_inputs, *, is_backward: bool, is_inference: bool):
-        self.stats.collective_orders.append(collective_order(gm))
-        self.stats.planned_peak_gathered_bytes = max(self.stats.planned_peak_gathered_bytes, peak_gathered_bytes(gm))
         if self.backend == "eager":
             return boxed_eager(gm)
         from torch._inductor.compile_fx import compile_fx_inner
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
-
-    def decompositions(self):
-        if self.backend == "eager":
-            return None
-        from torch._inductor.decomposition import select_decomp_table
-        return select_decomp_table()
 
 
 def boxed_eager(gm: GraphModule) -> Callable:
@@ -228,6 +252,42 @@ def count_grad_sources(compiled: Callable, runtime, grad_inputs: List[int]) -> C
     return run
 
 
+def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Callable:
+    """AOTAutograd with our partition and compilers. Under inductor the partition is inductor's custom partitioner,
+    keyed on our source and settings, so torch's AOTAutograd cache may serve the graph (``compile.aot_cache``):
+    then our compilers do not run and the graph's compile record stands in for them (``capture/cache.py``)."""
+    if compiler.backend == "eager":
+        aot = aot_autograd(fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
+                           partition_fn=compiler.partition, keep_inference_input_mutations=True)
+        # the eager backend's compiled graphs are Python functions: nothing torch could cache
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return aot(gm, example_inputs)
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    from torch._inductor.compile_fx import partition_fn as inductor_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.output_code import OutputCode
+    runtime, stats = compiler.runtime, compiler.stats
+    key = cache.compile_key(config=compiler.config.model_dump(), stage=runtime.stage,
+                            world=torch.distributed.get_world_size(),
+                            runtime_id=runtime.id, gather_bucket_numel=runtime.gather_bucket_numel,
+                            keep_left=compiler.keep_budget() - stats.kept_gathered_bytes,
+                            ds_ids=compiler.param_ds_ids, grad_keys=compiler.grad_keys)
+    fw, bw = compiler.compile_forward, compiler.compile_backward
+    use_cache = compiler.config.aot_cache
+    if use_cache:
+        compiler.record = cache.record_key(key, gm, example_inputs)
+        fw, bw = SerializableAOTDispatchCompiler(OutputCode, fw), SerializableAOTDispatchCompiler(OutputCode, bw)
+    aot = aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=inductor_partition,
+                       decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+    with torch._inductor.config.patch(custom_partitioner_fn=cache.Partitioner(compiler.partition, key)), \
+            torch._functorch.config.patch(enable_autograd_cache=use_cache and
+                                          torch._functorch.config.enable_autograd_cache):
+        compiled = aot(gm, example_inputs)
+    if use_cache and not compiler.compiled:
+        compiler.load_record()
+    return compiled
+
+
 def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: str,
                  on_failure: Callable[[BaseException], None]):
     """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module."""
@@ -244,12 +304,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()
             compiler = GraphCompiler(runtime, stats, config, backend, param_ds_ids, on_failure, grad_keys)
-            aot = aot_autograd(fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
-                               partition_fn=compiler.partition, decompositions=compiler.decompositions(),
-                               keep_inference_input_mutations=True)
-            # our passes run inside the compilers: a cache hit would skip them (and their reports)
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                compiled = aot(gm, example_inputs)
+            compiled = _aot_compile(compiler, gm, example_inputs)
         except BaseException as err:
             on_failure(err)
             raise

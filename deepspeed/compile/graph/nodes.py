@@ -32,13 +32,13 @@ def gather_dtype(node: Node) -> Optional[torch.dtype]:
     return node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
 
 
-def gather_plan(node: Node) -> int:
-    """The ``plan=`` of a gather node: the id of the run of coalesced gathers it starts, or 0."""
-    return node.args[5] if len(node.args) > 5 else node.kwargs.get("plan", 0)
+def gather_plan(node: Node) -> str:
+    """The ``plan=`` of a gather node: the run of coalesced gathers it starts (``ops.encode_plan``), or empty."""
+    return node.args[5] if len(node.args) > 5 else node.kwargs.get("plan", "")
 
 
 def gather_runs(nodes: Iterable[Node]) -> List[List[Node]]:
-    """The runs of coalesced gathers in graph order (``coalesce_gathers_pass``): a gather with a plan id starts a
+    """The runs of coalesced gathers in graph order (``coalesce_gathers_pass``): a gather with a plan starts a
     run, the gathers without one after it belong to it. None in a graph that was not coalesced."""
     runs: List[List[Node]] = []
     for node in nodes:

@@ -11,12 +11,12 @@
 - :func:`insert_reduces_pass` (backward) reduce-scatters each parameter gradient where it is produced and
   returns ``None`` in its place, so autograd never accumulates a full-size gradient.
 """
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ..runtime.ops import GATHER, RELEASE, REDUCE
+from ..runtime.ops import GATHER, RELEASE, REDUCE, encode_plan
 from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, gather_plan, is_gather, is_reduce, is_release,
                     output_args, output_node, placeholders, reader_outputs, size_hint)
 
@@ -35,7 +35,7 @@ def insert_gathers_pass(gm: GraphModule, *, runtime_id: int, gathered_ds_ids: Di
             continue
         node.meta[META_DS_ID] = ds_id
         with graph.inserting_after(node):
-            gathered = graph.call_function(GATHER, (node, runtime_id, ds_id, None, [], 0))
+            gathered = graph.call_function(GATHER, (node, runtime_id, ds_id, None, [], ""))
         node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered and user.op != "output")
         gathered.meta[META_DS_ID] = ds_id
     return gm
@@ -107,18 +107,15 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
     return gm
 
 
-def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int,
-                          add_plans: Callable[[List[List[Tuple[int, Optional[torch.dtype]]]]], List[int]]
-                          ) -> GraphModule:
+def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int) -> GraphModule:
     """Group the scheduled gathers into runs and gather each run in one collective, as eager ZeRO-3 prefetches up to
     ``stage3_prefetch_bucket_size``: walking the gathers in schedule order, a run takes the following gathers while it
     stays within ``bucket_numel`` elements and holds no parameter twice (members of several gather dtypes, as under
     autocast, go out as one collective per dtype). Its later gathers move
     up to its first (so a parameter may be gathered up to one bucket before its first use), then ``pin_gathers_pass``
-    makes those positions data dependencies. The runs are registered with the runtime (``add_plans``) in graph
-    order and the first gather of each carries its run's id: it gathers the whole run in one collective, waiting only
-    for what is not already in flight, and starts the next run's collective asynchronously, so one run is always in
-    flight ahead of use. The memory plan counts all of it (``schedule/memory_plan.in_flight_storages``)."""
+    makes those positions data dependencies. The first gather of each run carries the run and the next one
+    (``ops.encode_plan``): it gathers the whole run in one collective, waiting only for what is not already in
+    flight, and starts the next run's collective asynchronously, so one run is always in flight ahead of use. The memory plan counts all of it (``schedule/memory_plan.in_flight_storages``)."""
     runs: List[List[Node]] = []
     numel = 0
     members: Set[int] = set()  # ds_ids in the current run
@@ -132,10 +129,10 @@ def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int,
         runs[-1].append(node)
         numel += size
         members.add(node.args[2])
-    plan_ids = add_plans([[(g.args[2], gather_dtype(g)) for g in r] for r in runs])
-    for run, plan_id in zip(runs, plan_ids):
+    members = [[(g.args[2], gather_dtype(g)) for g in run] for run in runs] + [[]]
+    for i, run in enumerate(runs):
         first = run[0]
-        first.args = (*first.args[:4], _after(first), plan_id)
+        first.args = (*first.args[:4], _after(first), encode_plan(members[i], members[i + 1]))
         first.kwargs = {}
     return gm
 

@@ -5,7 +5,7 @@ done by that runtime. Ops with no result declare the mutation they really perfor
 gathered buffer's storage, ``reduce_grad`` consumes the gradient) so that no compiler drops or reorders them
 across their data.
 """
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -17,20 +17,21 @@ NAMESPACE = "dsc"
 
 @torch.library.custom_op("dsc::gather_param", mutates_args=())
 def gather_param(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype],
-                 after: List[Tensor], plan: int) -> Tensor:
+                 after: List[Tensor], plan: str) -> Tensor:
     """All-gather parameter ``ds_id`` to its full shape, cast to ``dtype`` first (before sending) unless None.
     ``standin`` is the parameter as the graph sees it: it orders the op after the graph input. ``dtype`` has no
     default on purpose: compilers drop default arguments from nodes, and the rewrite sets it in place.
     ``after`` pins the gather after the ops that produce these tensors (the schedule's order survives any
-    backend's own reordering as a data dependency). ``plan``: 0, or the runtime's id of the run of gathers this
-    one starts (``coalesce_gathers_pass``): the run is gathered in one collective and the next run's collective is
-    started ahead. An id, not a list of parameters: inductor's generated code drops the contents of list
-    arguments."""
+    backend's own reordering as a data dependency). ``plan``: empty, or the run of gathers this one starts and
+    the run after it (``coalesce_gathers_pass``, :func:`encode_plan`): the run is gathered in one collective and
+    the next run's collective is started ahead. Text, not lists of ints (inductor's generated code drops the
+    contents of list arguments), and not an id the compiler registers with the runtime: a graph loaded from
+    torch's compile caches never ran our compiler, so each op must say all it needs."""
     return run_gather(standin, runtime_id, ds_id, dtype, after, plan)
 
 
 def run_gather(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype], after: List[Tensor],
-               plan: int) -> Tensor:
+               plan: str) -> Tensor:
     """What ``gather_param`` does, as a plain function: the eager backend's final graphs call it directly
     (``PLAIN_CALLS``), past the dispatcher, since nothing traces or differentiates them any more."""
     return registry.lookup(runtime_id).gather(ds_id, dtype, plan)
@@ -38,7 +39,7 @@ def run_gather(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[tor
 
 @gather_param.register_fake
 def _(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype], after: List[Tensor],
-      plan: int) -> Tensor:
+      plan: str) -> Tensor:
     return standin.new_empty(standin.shape, dtype=dtype or standin.dtype)
 
 
@@ -85,6 +86,29 @@ def run_reduce(grad: Tensor, runtime_id: int, ds_id: int) -> None:
 @reduce_grad.register_fake
 def _(grad: Tensor, runtime_id: int, ds_id: int) -> None:
     return None
+
+
+Run = Sequence[Tuple[int, Optional[torch.dtype]]]  # a run of coalesced gathers: (ds_id, gather dtype or None)
+
+
+def encode_plan(run: Run, following: Run) -> str:
+    """The ``plan`` argument of a run's first gather: ``"ds_id:dtype,...|ds_id:dtype,..."``, this run and then the
+    one its collective starts ahead (empty after the last run); a dtype is empty for the parameter's own."""
+    def part(members: Run) -> str:
+        return ",".join(f"{ds_id}:{str(dtype).split('.')[-1] if dtype is not None else ''}" for ds_id, dtype in members)
+    return f"{part(run)}|{part(following)}"
+
+
+def decode_plan(plan: str) -> Tuple[Run, Run]:
+    """The two runs :func:`encode_plan` wrote."""
+    def part(text: str) -> Run:
+        members = []
+        for item in filter(None, text.split(",")):
+            ds_id, dtype = item.split(":")
+            members.append((int(ds_id), getattr(torch, dtype) if dtype else None))
+        return tuple(members)
+    run, following = plan.split("|")
+    return part(run), part(following)
 
 
 GATHER = torch.ops.dsc.gather_param.default

@@ -89,9 +89,6 @@ class Z12Runtime:
     def prefetch_bucket_bytes(self) -> int:
         return 0
 
-    def add_gather_plans(self, runs) -> List[int]:
-        raise AssertionError("ZeRO-1/2 graphs gather no parameters")
-
     def note_graph_call(self, args: Sequence, grad_inputs: Sequence[int]) -> None:
         """A compiled forward graph ran with grad enabled: each trained parameter among its inputs owes one more
         gradient in the coming backward."""

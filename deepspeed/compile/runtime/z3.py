@@ -11,7 +11,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from torch.nn import Parameter
 
 from ..native.gather import cast_all_gather_python, cast_all_gather_start, load_native, wait_for
 from . import registry, standins
+from .ops import Run, decode_plan
 from .eager_access import EagerAccess
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ class _Bucket:
 
 @dataclass
 class _Plan:
-    members: Tuple[Tuple[int, Optional[torch.dtype]], ...]  # (ds_id, gather dtype or None: its own) of a run
-    next: int  # the following run of the same graph (0: none), started when this one is waited for
+    members: Run  # (ds_id, gather dtype or None: its own) of a run
+    next: Run  # the following run of the same graph (empty: none), started when this one is waited for
 
 
 @dataclass
@@ -108,8 +109,9 @@ class Z3Runtime:
         self.bucket_numel = int(engine.zero_reduce_bucket_size())
         # adjacent gathers of a graph go out as one collective of at most this many elements (0: never coalesce)
         self.gather_bucket_numel = int(engine.zero_prefetch_bucket_size())
-        self.gather_plans: List[_Plan] = []  # gather runs, written by the compiler, read by the gather ops
-        self._inflight: Dict[int, List[_Started]] = {}  # plan id -> its all-gathers started ahead
+        # the gather runs the graphs have started, by their ``plan`` text, in first-use order (decoded once)
+        self.gather_plans: Dict[str, _Plan] = {}
+        self._inflight: Dict[Run, List[_Started]] = {}  # a run -> its all-gathers started ahead
         self.input_cast_hook = None  # fp16 auto_cast: the engine's input cast, as a forward pre-hook (init_z3)
         # the columns one reduce of every trained parameter needs: no bucket is ever wider
         self._grad_columns = sum(p.partition_numel() for p in self.params.values() if p.requires_grad)
@@ -175,17 +177,7 @@ class Z3Runtime:
             raise TimeoutError(f"deepspeed-compile: {what()} did not complete within {self.timeout} "
                                f"(compile.collective_timeout_s): a rank did not join it ({err})") from err
 
-    def add_gather_plans(self, runs: Sequence[Sequence[Tuple[int, Optional[torch.dtype]]]]) -> List[int]:
-        """Register the gather runs of one graph, in order, each as its ``(ds_id, dtype)`` members (see
-        ``ops.gather_param``); returns their ids. Each run's collective also starts the next run's, asynchronously:
-        one run is in flight ahead of use."""
-        first = len(self.gather_plans) + 1
-        for i, members in enumerate(runs):
-            following = first + i + 1 if i + 1 < len(runs) else 0
-            self.gather_plans.append(_Plan(tuple(members), following))
-        return list(range(first, first + len(runs)))
-
-    def gather(self, ds_id: int, dtype: Optional[torch.dtype], plan: int = 0) -> Tensor:
+    def gather(self, ds_id: int, dtype: Optional[torch.dtype], plan: str = "") -> Tensor:
         param = self.params[ds_id]
         if self._forward_running:
             self.note_grad_source(param)
@@ -206,27 +198,28 @@ class Z3Runtime:
         self.counters.allgather_collectives += 1
         return self._add_gathered(param, dtype, flat, refs=1)
 
-    def _run_plan(self, plan_id: int) -> None:
+    def _run_plan(self, text: str) -> None:
         """This run's parameters gathered (waiting for the collective started ahead, or one coalesced collective
         now), then the next run's collective started without waiting. Its receive buffer counts as live gathered
         bytes from now on, as the static memory plan counts it (``schedule/memory_plan.in_flight_storages``)."""
-        plan = self.gather_plans[plan_id - 1]
-        inflight = self._inflight.pop(plan_id, None)
+        plan = self.gather_plans.get(text)
+        if plan is None:
+            plan = self.gather_plans[text] = _Plan(*decode_plan(text))
+        inflight = self._inflight.pop(plan.members, None)
         if inflight is None:  # nothing started ahead: gather the run now (a lone parameter takes its op's own path)
-            inflight = [started for dtype, members in self._missing(plan).items() if len(members) > 1
+            inflight = [started for dtype, members in self._missing(plan.members).items() if len(members) > 1
                         for started in self._start_chunks(members, dtype)]
         for started in inflight:  # chunk by chunk: each receive buffer is freed as soon as it is copied out
             self._finish_coalesced(started)
         del inflight
         if plan.next and plan.next not in self._inflight:
-            following = self._missing(self.gather_plans[plan.next - 1])
-            self._inflight[plan.next] = [started for dtype, members in following.items()
+            self._inflight[plan.next] = [started for dtype, members in self._missing(plan.next).items()
                                          for started in self._start_chunks(members, dtype)]
 
-    def _missing(self, plan: "_Plan") -> Dict[torch.dtype, List[Parameter]]:
-        """The plan's parameters not gathered yet, by the dtype they are gathered in (one collective per dtype)."""
+    def _missing(self, run: Run) -> Dict[torch.dtype, List[Parameter]]:
+        """The run's parameters not gathered yet, by the dtype they are gathered in (one collective per dtype)."""
         groups: Dict[torch.dtype, List[Parameter]] = {}
-        for ds_id, dtype in plan.members:
+        for ds_id, dtype in run:
             param = self.params[ds_id]
             dtype = dtype or param.ds_tensor.dtype
             if (ds_id, dtype) not in self._gathered:

@@ -84,7 +84,7 @@ def insert_zero3_ops(gm: GraphModule, runtime_id: int, num_params: int, backward
         if ph.target not in param_ids:
             continue
         with graph.inserting_after(anchor):
-            gather = graph.call_function(GATHER, (ph, runtime_id, param_ids[ph.target], None, [], 0))
+            gather = graph.call_function(GATHER, (ph, runtime_id, param_ids[ph.target], None, [], ""))
         gather.meta["val"] = ph.meta["val"]
         ph.replace_all_uses_with(gather, delete_user_cb=lambda user, g=gather: user is not g and user.op != "output")
         anchor = gather

@@ -43,6 +43,7 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
     import torch
     import models_eager
     from compare import full_params
+    from deepspeed.compile.report import collective_orders
     rank = torch.distributed.get_rank()
     out = {}
     for name, engine in _engines("gpt2", backend, zero_overrides):
@@ -63,8 +64,10 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
             result["active"] = engine.is_deepcompile_active()
             result["gathers"] = runtime.counters.gathers
             result["collectives"] = runtime.counters.allgather_collectives
-            result["plans"] = [([(i, str(d)) for i, d in plan.members], plan.next) for plan in runtime.gather_plans]
+            # the runs gathered, in first-use order, each with whether its collective starts the next run's
+            result["plans"] = [(text, bool(plan.next)) for text, plan in runtime.gather_plans.items()]
             result["persistent"] = len(runtime.persistent)
+            result["orders"] = collective_orders(engine)  # per compiled graph: its gathers and reduces, in order
         out[name] = result
     out["params_equal"] = all(torch.equal(out["eager"]["params"][k], out["deepcompile"]["params"][k])
                               for k in out["eager"]["params"])
@@ -100,12 +103,14 @@ def test_coalesced_async_gathers_same_order_on_every_rank_both_backends():
     """Nothing persistent, a prefetch bucket of 2e4 elements: consecutive gathers share one collective up to the
     bucket, and each run's collective starts the next run's ahead. The
     runs, and which starts which, are a function of the graph: identical on both ranks (a difference would hang or
-    mix up collectives). Eager backend: bitwise equal to eager ZeRO-3. Inductor runs the same ops: fp32 losses
+    mix up collectives), and so is each compiled graph's order of gathers and reduces. Eager backend: bitwise equal to eager ZeRO-3. Inductor runs the same ops: fp32 losses
     within 1e-5 relative (fused kernels round differently; its parameters are compared under SGD in
     test_inductor.py). Both: fewer collectives than parameter gathers."""
     ranks = run_distributed(_coalesced_both_backends, 3, timeout_s=500)
     for backend in ("eager", "inductor"):
         assert ranks[0][backend]["deepcompile"]["plans"] == ranks[1][backend]["deepcompile"]["plans"], backend
+        orders = [r[backend]["deepcompile"]["orders"] for r in ranks]
+        assert orders[0] == orders[1] and len(orders[0]) >= 2 and any(orders[0]), backend
         assert any(plan[1] for plan in ranks[0][backend]["deepcompile"]["plans"]), "no run starts another ahead"
     for r in ranks:
         dc, eager = r["eager"]["deepcompile"], r["eager"]["eager"]

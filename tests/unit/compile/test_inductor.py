@@ -85,3 +85,45 @@ def test_inductor_gradient_accumulation_and_checkpoint(tmp_path):
         assert r["gathers_after_load"] > 0
         # the same compiled code on the same state: bitwise the same losses
         assert r["after_load"] == r["after_save"], (r["after_save"], r["after_load"])
+
+
+def _one_process(steps):
+    """One training process: the inductor engine, with what its stats say about compiling and torch's cache."""
+    import time
+    from torch._dynamo.utils import counters
+    from compare import full_params
+    from deepspeed.compile.engine_state import state_of
+    from models import ds_config
+    from training import make_engine, train
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True}, optimizer="sgd"))
+    start = time.perf_counter()
+    losses = train(engine, "gpt", 1, compile_kwargs={"backend": "inductor"})
+    first_step_s = time.perf_counter() - start
+    losses += train(engine, "gpt", steps - 1, first_step=1)
+    stats = state_of(engine).stats
+    return {"losses": losses, "params": full_params(engine), "first_step_s": first_step_s,
+            "aot": dict(counters["aot_autograd"]), "compiled": stats.graphs_compiled, "loaded": stats.graphs_loaded,
+            "orders": stats.collective_orders, "peak": stats.planned_peak_gathered_bytes, "saved": vars(stats.saved),
+            "compile_s": dict(stats.compile_seconds)}
+
+
+def test_warm_process_loads_the_compiled_graphs_and_trains_identically(tmp_path, monkeypatch):
+    """Two processes in turn on one fresh inductor cache directory (each a 2-rank run): the first compiles every
+    graph and torch's AOTAutograd cache stores it; the second loads every graph from it (our compilers do not run)
+    and trains bitwise identically, and its report's compile figures (collective order, saved bytes, planned peak)
+    are the first's, from the compile record."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
+    steps = 3
+    cold = run_distributed(_one_process, steps, timeout_s=400)
+    warm = run_distributed(_one_process, steps, timeout_s=400)
+    for c, w in zip(cold, warm):
+        assert c["compiled"] > 0 and c["loaded"] == 0 and c["aot"].get("autograd_cache_hit", 0) == 0, c["aot"]
+        assert c["compile_s"]["forward"] > 0 and c["compile_s"]["backward"] > 0
+        assert w["loaded"] == w["compiled"] == c["compiled"], (w["loaded"], w["compiled"], c["compiled"])
+        assert w["aot"].get("autograd_cache_hit", 0) == c["compiled"], w["aot"]
+        assert w["compile_s"] == {"forward": 0.0, "backward": 0.0}, w["compile_s"]
+        assert w["losses"] == c["losses"], (c["losses"], w["losses"])
+        assert all(torch.equal(w["params"][k], c["params"][k]) for k in c["params"])
+        assert (w["orders"], w["saved"], w["peak"]) == (c["orders"], c["saved"], c["peak"])
+        assert any(order for order in c["orders"]), "the graphs issue no collectives"
+        print(f"first step: cold {c['first_step_s']:.1f} s, warm {w['first_step_s']:.1f} s")

@@ -6,7 +6,7 @@ from typing import Dict, List
 import torch
 from torch.fx import Graph, GraphModule
 
-from deepspeed.compile.runtime.ops import GATHER, RELEASE
+from deepspeed.compile.runtime.ops import GATHER, RELEASE, encode_plan
 from deepspeed.compile.schedule import memory_plan, peak_gathered_bytes
 from distributed import run_distributed
 
@@ -15,7 +15,7 @@ FP32 = 4
 
 def _runs_graph(runs: List[List[int]], sizes: Dict[int, int], coalesced: bool) -> GraphModule:
     """Gather each run's parameters back to back, read each (a sum), release them, then the next run. With
-    ``coalesced`` the first gather of run k carries plan id k + 1, as ``coalesce_gathers_pass`` leaves it."""
+    ``coalesced`` the first gather of each run carries its plan, as ``coalesce_gathers_pass`` leaves it."""
     graph = Graph()
     standins = {}
     for ds_id, numel in sizes.items():
@@ -25,7 +25,8 @@ def _runs_graph(runs: List[List[int]], sizes: Dict[int, int], coalesced: bool) -
     for k, run in enumerate(runs):
         gathered = []
         for j, ds_id in enumerate(run):
-            plan = k + 1 if coalesced and j == 0 else 0
+            following = runs[k + 1] if k + 1 < len(runs) else []
+            plan = encode_plan([(i, None) for i in run], [(i, None) for i in following]) if coalesced and j == 0 else ""
             node = graph.call_function(GATHER, (standins[ds_id], 0, ds_id, None, [], plan))
             node.meta["val"] = torch.empty(sizes[ds_id])
             gathered.append(node)
@@ -65,7 +66,7 @@ def _rank_coalesced(layers: int, backend: str, prefetch_numel: int, steps: int, 
     import deepspeed
     import torch.distributed as dist
     from deepspeed.compile.engine_state import runtime_of
-    from deepspeed.compile.report import collective_orders, engine_report
+    from deepspeed.compile.report import engine_report
     from models import TinyGPT, ds_config, make_batch
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -90,7 +91,7 @@ def _rank_coalesced(layers: int, backend: str, prefetch_numel: int, steps: int, 
                       for p in runtime.sharded.values())
     out = {key: report[key] for key in ("gathers", "allgather_collectives", "peak_gathered_bytes",
                                         "planned_peak_gathered_bytes", "live_gathered_bytes", "saved_param_bytes")}
-    out.update(losses=losses, padding=padding, orders=collective_orders(engine), active=engine.is_deepcompile_active(),
+    out.update(losses=losses, padding=padding, active=engine.is_deepcompile_active(),
                largest=max(p.ds_numel * p.ds_tensor.element_size() for p in runtime.sharded.values()))
     engine.destroy()
     return out
@@ -105,13 +106,6 @@ def test_in_flight_bound_holds_on_the_12_block_gpt():
         assert r["peak_gathered_bytes"] <= r["planned_peak_gathered_bytes"] + r["padding"], r
         assert r["planned_peak_gathered_bytes"] <= 2 * r["peak_gathered_bytes"], r
         assert r["peak_gathered_bytes"] > 20000 * FP32 // 2, r  # runs are gathered whole, more than one parameter
-
-
-def test_async_collective_order_is_the_same_on_every_rank_on_both_backends():
-    for backend in ("eager", "inductor"):
-        ranks = run_distributed(_rank_coalesced, 2, backend, 5000, 2, timeout_s=400)
-        assert ranks[0]["orders"] == ranks[1]["orders"] and len(ranks[0]["orders"]) >= 2, backend
-        assert all(r["allgather_collectives"] < r["gathers"] / 3 for r in ranks), backend
 
 
 def _rank_kept(budget: int) -> Dict:

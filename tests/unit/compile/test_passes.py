@@ -56,7 +56,7 @@ def test_tag_marks_exactly_the_parameter_aliases_and_downcasts():
 
 def _gathered_graph(runtime_id):
     def f(standin, x):
-        w = GATHER(standin, runtime_id, 3, None, [], 0)
+        w = GATHER(standin, runtime_id, 3, None, [], "")
         return (x.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()  # autocast's pattern: cast, then view
 
     return make_fx(f)(torch.empty(5, 4), torch.randn(2, 4))
@@ -103,7 +103,7 @@ def test_insert_reduces_returns_none_and_reduces_each_parameter_gradient():
 
 def test_saved_for_backward_splits_parameter_derived_bytes():
     def fw(standin, x):
-        w = GATHER(standin, 1, 0, None, [], 0)
+        w = GATHER(standin, 1, 0, None, [], "")
         wt = w.t()
         h = x @ wt
         return h.sum(), wt, h  # one user output, then two saved values: a parameter alias and an activation

@@ -154,7 +154,7 @@ def _small_graph() -> GraphModule:
     runtime = FakeRuntime([torch.randn(64, 64)])
 
     def step(standin, x):
-        w = GATHER(standin, runtime.id, 0, None, [], 0)
+        w = GATHER(standin, runtime.id, 0, None, [], "")
         y = x @ w.t()  # the view must not count twice
         z = torch.relu(y) @ w  # w is needed again after relu
         RELEASE(w, runtime.id, 0, [y, z])
