@@ -1,4 +1,4 @@
-"""Run a test function on several CPU ranks (gloo, file store), each rank a fresh spawned process.
+"""Run a test function on several CPU ranks (gloo, file store), each rank a fresh process.
 
     results = run_distributed(fn, arg, world_size=2, timeout_s=120)
 
@@ -9,6 +9,10 @@ call with that rank's traceback (:class:`RankFailure`), and a rank that has not 
 the suite. Once a rank has failed, the others get ``FAILURE_GRACE_S`` to finish (and report their own
 failure) before they are killed: they would otherwise wait in a collective the failed rank never joins.
 Whatever ends the call (a result, a failure, pytest-timeout's exception, Ctrl-C), no rank outlives it.
+
+Each rank is forked from a server process that imported torch, DeepSpeed and the test helpers once
+(``multiprocessing``'s forkserver with a preload list): a fresh process with nothing initialized, as a spawned
+one, without paying 5 s of imports per rank and call. It runs with the caller's environment at the call.
 
 ``timeout_s`` must leave room under pytest's own per-test timeout (``pyproject.toml``), so that a hung rank
 is reported by this harness, with its name, rather than by pytest-timeout.
@@ -48,8 +52,18 @@ class RankTimeout(AssertionError):
     """A rank did not finish in time (most likely a hung collective), and no rank failed."""
 
 
+# imported once by the fork server, so that no rank imports them again; nothing here starts a thread or touches
+# torch.distributed (forking a process with threads is not safe). A module that fails to import is skipped.
+PRELOAD = ["checkout", "torch", "torch.distributed", "deepspeed", "deepspeed.compile", "transformers",
+           "models", "training", "compare"]
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(PRELOAD)
+
+
 def _rank_main(module_name: str, fn_name: str, args: tuple, rank: int, world_size: int, workdir: str,
-               collective_timeout_s: float) -> None:
+               collective_timeout_s: float, environ: dict) -> None:
+    os.environ.clear()  # the caller's environment at the call, not the fork server's at its start
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     result_path = os.path.join(workdir, f"rank{rank}.pkl")
@@ -99,10 +113,10 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout_s: fl
     if timeout_s > MAX_TIMEOUT_S:
         raise ValueError(f"run_distributed(timeout_s={timeout_s}): must be at most {MAX_TIMEOUT_S:.0f} s, under "
                          f"pytest's timeout of {PYTEST_TIMEOUT_S:.0f} s (pyproject.toml) with room to clean up")
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="dsc-dist-") as workdir:
-        procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(fn.__module__, fn.__name__, args, rank, world_size, workdir, collective_timeout_s))
+        procs = [_CONTEXT.Process(target=_rank_main, daemon=True,
+                                  args=(fn.__module__, fn.__name__, args, rank, world_size, workdir,
+                                        collective_timeout_s, dict(os.environ)))
                  for rank in range(world_size)]
         try:
             for p in procs:

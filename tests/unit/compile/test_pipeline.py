@@ -294,7 +294,8 @@ def test_persistent_parameters_match_eager_zero3():
         assert_bitwise_equal(r)
 
 
-def _gather_timeout(native_op):
+def _gather_timeout(native_op, flag):
+    import os
     import time
     import torch.distributed as dist
     from models import ds_config, make_batch
@@ -304,7 +305,10 @@ def _gather_timeout(native_op):
     train(engine, "gpt", 1, compile_kwargs={"backend": "eager"})  # compiled on both ranks
     dist.barrier()
     if dist.get_rank() == 1:
-        time.sleep(20)  # never joins the next gather (and stays alive, so rank 0 sees a timeout, not a hang-up)
+        # never joins the next gather, and stays alive until rank 0 is done (so it sees a timeout, not a hang-up)
+        deadline = time.monotonic() + 20
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return None
     start = time.perf_counter()
     try:
@@ -312,13 +316,15 @@ def _gather_timeout(native_op):
         message = None
     except TimeoutError as err:
         message = str(err)
+    finally:
+        open(flag, "w").close()
     return message, time.perf_counter() - start
 
 
 @pytest.mark.parametrize("native_op", ["python", "native"])
-def test_collective_timeout_names_the_gather(native_op):
+def test_collective_timeout_names_the_gather(native_op, tmp_path):
     """compile.collective_timeout_s: a rank that never joins a gather inside a compiled graph makes the other raise
     TimeoutError naming the gather's parameter, within the bound (2 s, plus slack for the step), on both paths."""
-    message, seconds = run_distributed(_gather_timeout, native_op, collective_timeout_s=60)[0]
+    message, seconds = run_distributed(_gather_timeout, native_op, str(tmp_path / "done"), collective_timeout_s=60)[0]
     assert message is not None and "all-gather of parameter" in message and "collective_timeout_s" in message, message
     assert seconds < 15, seconds
