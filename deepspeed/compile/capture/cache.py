@@ -87,9 +87,21 @@ def record_dir() -> Path:
     return Path(cache_dir()) / "deepspeed_compile"
 
 
+def runtime_state() -> str:
+    """What torch's AOTAutograd key takes from the calling context besides the graph: grad mode, autocast per device,
+    deterministic algorithms. One dynamo graph compiles differently under each (DeepSpeed's ``torch_autocast``
+    enters autocast outside the compiled frame, so an fp32 and an autocast engine trace the same code)."""
+    autocast = [(device, torch.get_autocast_dtype(device)) for device in torch._C._autocast_supported_devices()
+                if torch.is_autocast_enabled(device)]
+    return f"{torch.is_grad_enabled()}|{autocast}|{torch.are_deterministic_algorithms_enabled()}"
+
+
 def record_key(key: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-    """The record of one dynamo graph: its code (our gathers inserted), its inputs, and the compile key."""
-    return hashlib.sha256(f"{key}|{gm.code}|{input_signature(example_inputs)}".encode()).hexdigest()
+    """The record of one dynamo graph: its code (our gathers inserted), its inputs, the calling context torch's key
+    also covers, and the compile key. (torch's key also covers its own configs: a process that changes them loads
+    a graph compiled under them with the record of the same graph compiled under others; both come from this code.)"""
+    text = f"{key}|{gm.code}|{input_signature(example_inputs)}|{runtime_state()}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def write_record(name: str, direction: str, part: Dict[str, Any]) -> None:

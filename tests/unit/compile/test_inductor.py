@@ -127,3 +127,20 @@ def test_warm_process_loads_the_compiled_graphs_and_trains_identically(tmp_path,
         assert (w["orders"], w["saved"], w["peak"]) == (c["orders"], c["saved"], c["peak"])
         assert any(order for order in c["orders"]), "the graphs issue no collectives"
         print(f"first step: cold {c['first_step_s']:.1f} s, warm {w['first_step_s']:.1f} s")
+
+
+def test_compile_record_is_keyed_on_the_calling_context():
+    """One dynamo graph compiles differently under autocast or without grad (torch's AOTAutograd key covers both;
+    DeepSpeed's torch_autocast enters autocast outside the compiled frame, so fp32 and autocast engines trace the
+    same code): each gets its own compile record, or a warm process would report one's figures for the other."""
+    from deepspeed.compile.capture import cache
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    inputs = [torch.ones(2)]
+    keys = {"plain": cache.record_key("k", gm, inputs)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        keys["autocast"] = cache.record_key("k", gm, inputs)
+    with torch.no_grad():
+        keys["no_grad"] = cache.record_key("k", gm, inputs)
+    keys["other settings"] = cache.record_key("k2", gm, inputs)
+    assert len(set(keys.values())) == len(keys), keys
+    assert cache.record_key("k", gm, inputs) == keys["plain"]  # and the same context gives the same record
