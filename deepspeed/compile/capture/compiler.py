@@ -267,7 +267,8 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.output_code import OutputCode
     runtime, stats = compiler.runtime, compiler.stats
-    key = cache.compile_key(config=compiler.config.model_dump(), stage=runtime.stage,
+    settings = compiler.config.model_dump(exclude={"aot_cache"})  # whether to cache does not change the graphs
+    key = cache.compile_key(config=settings, stage=runtime.stage,
                             world=torch.distributed.get_world_size(),
                             runtime_id=runtime.id, gather_bucket_numel=runtime.gather_bucket_numel,
                             keep_left=compiler.keep_budget() - stats.kept_gathered_bytes,

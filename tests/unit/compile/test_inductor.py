@@ -87,7 +87,7 @@ def test_inductor_gradient_accumulation_and_checkpoint(tmp_path):
         assert r["after_load"] == r["after_save"], (r["after_save"], r["after_load"])
 
 
-def _one_process(steps):
+def _one_process(steps, aot_cache=True):
     """One training process: the inductor engine, with what its stats say about compiling and torch's cache."""
     import time
     from torch._dynamo.utils import counters
@@ -95,7 +95,7 @@ def _one_process(steps):
     from deepspeed.compile.engine_state import state_of
     from models import ds_config
     from training import make_engine, train
-    engine = make_engine("gpt", ds_config(3, {"deepcompile": True}, optimizer="sgd"))
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "aot_cache": aot_cache}, optimizer="sgd"))
     start = time.perf_counter()
     losses = train(engine, "gpt", 1, compile_kwargs={"backend": "inductor"})
     first_step_s = time.perf_counter() - start
@@ -111,7 +111,7 @@ def test_warm_process_loads_the_compiled_graphs_and_trains_identically(tmp_path,
     """Two processes in turn on one fresh inductor cache directory (each a 2-rank run): the first compiles every
     graph and torch's AOTAutograd cache stores it; the second loads every graph from it (our compilers do not run)
     and trains bitwise identically, and its report's compile figures (collective order, saved bytes, planned peak)
-    are the first's, from the compile record."""
+    are the first's, from the compile record. A third with ``"aot_cache": false`` compiles every graph again."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
     steps = 3
     cold = run_distributed(_one_process, steps, timeout_s=400)
@@ -127,6 +127,10 @@ def test_warm_process_loads_the_compiled_graphs_and_trains_identically(tmp_path,
         assert (w["orders"], w["saved"], w["peak"]) == (c["orders"], c["saved"], c["peak"])
         assert any(order for order in c["orders"]), "the graphs issue no collectives"
         print(f"first step: cold {c['first_step_s']:.1f} s, warm {w['first_step_s']:.1f} s")
+    for c, off in zip(cold, run_distributed(_one_process, steps, False, timeout_s=400)):
+        assert off["loaded"] == 0 and off["aot"].get("autograd_cache_hit", 0) == 0, off["aot"]
+        assert off["compiled"] == c["compiled"] and off["compile_s"]["forward"] > 0
+        assert off["losses"] == c["losses"] and (off["orders"], off["saved"]) == (c["orders"], c["saved"])
 
 
 def test_compile_record_is_keyed_on_the_calling_context():
