@@ -104,9 +104,13 @@ def record_key(key: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _record_path(name: str, direction: str) -> Path:
+    return record_dir() / f"{name}.{direction}.json"
+
+
 def write_record(name: str, direction: str, part: Dict[str, Any]) -> None:
     """Store what compiling one direction of a graph found (atomically: every rank writes the same record)."""
-    path = record_dir() / f"{name}.{direction}.json"
+    path = _record_path(name, direction)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -117,7 +121,7 @@ def write_record(name: str, direction: str, part: Dict[str, Any]) -> None:
 
 
 def read_record(name: str, direction: str) -> Optional[Dict[str, Any]]:
-    path = record_dir() / f"{name}.{direction}.json"
+    path = _record_path(name, direction)
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
