@@ -222,9 +222,10 @@ def collective_order(gm: GraphModule) -> List[Tuple[str, int]]:
 
 def bind_to_traced_params(compiled: Callable, uncompiled: GraphModule, traced: Dict[int, torch.nn.Parameter],
                           runtime) -> Callable:
-    """The compiled graph bakes each parameter's ``ds_id`` (ZeRO-3) or key (ZeRO-1/2) into its gather and reduce ops,
-    but dynamo guards a parameter input on its metadata only: it reuses one compiled graph for every module instance
-    of the same code (the blocks of a model whose top-level frame it skipped, or regional compilation). A call with
+    """A ZeRO-1/2 graph bakes each parameter's key into its reduce ops (and so does a ZeRO-3 graph that hands a
+    parameter back as it is, for that parameter's reduce), but dynamo guards a parameter input on its metadata only:
+    it reuses one compiled graph for every module instance of the same code (the blocks of a model whose top-level
+    frame it skipped, or regional compilation). A call with
     the parameters the graph was traced with runs the compiled graph; a call with other parameters runs the dynamo
     graph as traced, uncompiled, on those parameters (ZeRO-3 gathers them first, ``runtime.prepare_uncompiled``), so
     it is still right: autograd then delivers their gradients through the runtime's eager gradient hooks."""
@@ -313,8 +314,12 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             grad_inputs = [i for i, key in enumerate(grad_keys) if key is not None]
             compiled = count_grad_sources(compiled, runtime, grad_inputs)
             traced = {i: runtime.params[grad_keys[i]] for i in grad_inputs}
-        else:
+            return bind_to_traced_params(compiled, uncompiled, traced, runtime)
+        if any(META_DS_ID not in node.meta for i, node in enumerate(placeholders(gm.graph)) if i in gathered):
+            # a parameter handed back as it is: its gradient's reduce can only name the traced parameter
             traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}
-        return bind_to_traced_params(compiled, uncompiled, traced, runtime)
+            return bind_to_traced_params(compiled, uncompiled, traced, runtime)
+        # ZeRO-3's ops find their parameters from the graph's inputs: the graph serves any module of the same code
+        return compiled
 
     return compile_graph

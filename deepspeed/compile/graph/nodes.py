@@ -27,14 +27,34 @@ def is_gather(node: Node) -> bool:
     return node.op == "call_function" and node.target is GATHER
 
 
+# gather_param's arguments, in order (``runtime/ops.py``)
+GATHER_FIELDS = ("standin", "runtime_id", "ds_id", "dtype", "after", "plan")
+_GATHER_DEFAULTS = {"dtype": None, "after": (), "plan": ""}
+
+
+def gather_args(node: Node) -> Dict[str, object]:
+    """A gather node's arguments by name, whether positional or by keyword (AOTAutograd passes some by keyword)."""
+    values = dict(_GATHER_DEFAULTS)
+    values.update(zip(GATHER_FIELDS, node.args))
+    values.update(node.kwargs)
+    return values
+
+
+def set_gather_args(node: Node, **changes) -> None:
+    """Change some of a gather node's arguments; all are then positional."""
+    values = {**gather_args(node), **changes}
+    node.args = tuple(list(values[f]) if f == "after" else values[f] for f in GATHER_FIELDS)
+    node.kwargs = {}
+
+
 def gather_dtype(node: Node) -> Optional[torch.dtype]:
-    """The ``dtype=`` of a gather node (AOTAutograd may drop a default argument or pass it by keyword)."""
-    return node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
+    """The ``dtype=`` of a gather node."""
+    return gather_args(node)["dtype"]
 
 
 def gather_plan(node: Node) -> str:
     """The ``plan=`` of a gather node: the run of coalesced gathers it starts (``ops.encode_plan``), or empty."""
-    return node.args[5] if len(node.args) > 5 else node.kwargs.get("plan", "")
+    return gather_args(node)["plan"]
 
 
 def gather_runs(nodes: Iterable[Node]) -> List[List[Node]]:

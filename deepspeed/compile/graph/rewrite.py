@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Set
 import torch
 from torch.fx import GraphModule, Node
 
-from ..runtime.ops import GATHER, RELEASE, REDUCE, encode_plan
-from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, gather_plan, is_gather, is_reduce, is_release,
-                    output_args, output_node, placeholders, reader_outputs, size_hint)
+from ..runtime.ops import GATHER, PARAM_GRAD, RELEASE, REDUCE, encode_plan
+from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, is_reduce,
+                    is_release, output_args, output_node, placeholders, reader_outputs, set_gather_args, size_hint)
 
 # Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
 META_ESCAPED_DS_ID = "dsc_escaped_ds_id"
@@ -59,8 +59,7 @@ def fold_downcasts_pass(gm: GraphModule) -> GraphModule:
         if len(dtypes) != 1 or None in dtypes:
             continue
         dtype = dtypes.pop()
-        node.args = (*node.args[:3], dtype, _after(node), gather_plan(node))
-        node.kwargs = {}
+        set_gather_args(node, dtype=dtype)
         _set_val(node)
         for cast in list(node.users):
             cast.replace_all_uses_with(node)
@@ -99,8 +98,7 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
     for node in gm.graph.nodes:
         if is_gather(node):
             if previous is not None:
-                node.args = (*node.args[:4], [previous], gather_plan(node))
-                node.kwargs = {}
+                set_gather_args(node, after=[previous])
         elif (node.op == "call_function" and not is_release(node) and not is_reduce(node)
               and isinstance(node.meta.get("val"), torch.Tensor)):
             previous = node
@@ -131,14 +129,8 @@ def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int) -> GraphModule:
         members.add(node.args[2])
     members = [[(g.args[2], gather_dtype(g)) for g in run] for run in runs] + [[]]
     for i, run in enumerate(runs):
-        first = run[0]
-        first.args = (*first.args[:4], _after(first), encode_plan(members[i], members[i + 1]))
-        first.kwargs = {}
+        set_gather_args(run[0], plan=encode_plan(members[i], members[i + 1]))
     return gm
-
-
-def _after(gather: Node) -> List[Node]:
-    return list(gather.args[4] if len(gather.args) > 4 else gather.kwargs.get("after", []))
 
 
 def _numel(gather: Node) -> int:
@@ -147,7 +139,9 @@ def _numel(gather: Node) -> int:
 
 
 def insert_reduces_pass(gm: GraphModule, *, runtime_id: int, grad_ds_ids: List[Optional[int]]) -> GraphModule:
-    """``grad_ds_ids[i]``: the ds_id whose gradient is backward output ``i`` (None for other inputs)."""
+    """``grad_ds_ids[i]``: the ds_id (ZeRO-1/2: the runtime's key) whose gradient is backward output ``i`` (None
+    for other inputs). A gathered parameter's gradient comes out of ``param_grad(grad, stand-in)`` (the gather's
+    autograd formula): its reduce is handed the stand-in, by which the runtime finds the parameter at run time."""
     graph = gm.graph
     out_node = output_node(graph)
     outputs = output_args(graph)
@@ -158,11 +152,19 @@ def insert_reduces_pass(gm: GraphModule, *, runtime_id: int, grad_ds_ids: List[O
         grad = outputs[i]
         if ds_id is None or not isinstance(grad, Node):
             continue
+        param = None
+        if grad.op == "call_function" and grad.target is PARAM_GRAD:
+            grad, param = grad.args
         # as soon as the gradient exists: its reduce-scatter overlaps the rest of backward
         with graph.inserting_after(last_placeholder if grad.op == "placeholder" else grad):
-            graph.call_function(REDUCE, (grad, runtime_id, ds_id))
+            graph.call_function(REDUCE, (grad, runtime_id, ds_id, param))
         outputs[i] = None
     out_node.args = (tuple(outputs),)
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is PARAM_GRAD]:
+        if node.users:
+            raise AssertionError(f"deepspeed-compile: a parameter gradient ({node.name}) is used in the backward "
+                                 "graph other than as its output")
+        graph.erase_node(node)
     return gm
 
 

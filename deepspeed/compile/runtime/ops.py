@@ -1,9 +1,13 @@
 """The graph ops of deepspeed-compile: the single entry point to them (``torch.ops.dsc.*``).
 
-Each op carries the id of the runtime that owns it (see ``registry``) and a parameter's ``ds_id``; the work is
-done by that runtime. Ops with no result declare the mutation they really perform (``release_param`` frees the
-gathered buffer's storage, ``reduce_grad`` consumes the gradient) so that no compiler drops or reorders them
-across their data.
+Each op carries the id of the runtime that owns it (see ``registry``) and the ``ds_id`` of the parameter the graph
+was traced with; the work is done by that runtime. At run time an op finds its parameter from the tensors it is
+given, never from the ``ds_id``: a gather from its stand-in input, a release from the gathered tensor, a reduce
+from the parameter input it is handed (and a run of coalesced gathers from its first member, ``Z3Runtime._run_plan``). So one compiled graph serves every module of the same code (dynamo reuses
+a graph for every block of a model it compiles block by block, its guards being on metadata), each call on its
+own parameters. The ``ds_id`` names the traced parameter for the compiler's passes and reports.
+Ops with no result declare the mutation they really perform (``release_param`` frees the gathered buffer's
+storage, ``reduce_grad`` consumes the gradient) so that no compiler drops or reorders them across their data.
 """
 from typing import List, Optional, Sequence, Tuple
 
@@ -18,15 +22,18 @@ NAMESPACE = "dsc"
 @torch.library.custom_op("dsc::gather_param", mutates_args=())
 def gather_param(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype],
                  after: List[Tensor], plan: str) -> Tensor:
-    """All-gather parameter ``ds_id`` to its full shape, cast to ``dtype`` first (before sending) unless None.
-    ``standin`` is the parameter as the graph sees it: it orders the op after the graph input. ``dtype`` has no
+    """All-gather the parameter ``standin`` stands in for to its full shape, cast to ``dtype`` first (before
+    sending) unless None. ``standin`` is the parameter as the graph sees it (the graph input): the runtime finds the
+    parameter from it, and it orders the op after the input. ``dtype`` has no
     default on purpose: compilers drop default arguments from nodes, and the rewrite sets it in place.
     ``after`` pins the gather after the ops that produce these tensors (the schedule's order survives any
     backend's own reordering as a data dependency). ``plan``: empty, or the run of gathers this one starts and
     the run after it (``coalesce_gathers_pass``, :func:`encode_plan`): the run is gathered in one collective and
-    the next run's collective is started ahead. Text, not lists of ints (inductor's generated code drops the
-    contents of list arguments), and not an id the compiler registers with the runtime: a graph loaded from
-    torch's compile caches never ran our compiler, so each op must say all it needs."""
+    the next run's collective is started ahead. The plan names the traced parameters; a graph serving another
+    module of the same code maps them by name, relative to this op's own parameter (``Z3Runtime._run_plan``). Text,
+    not lists (inductor's generated code drops the contents of a gather's list arguments: ints, and graph inputs
+    too), and not an id the compiler registers with the runtime: a graph loaded from torch's compile caches never
+    ran our compiler, so each op must say all it needs."""
     return run_gather(standin, runtime_id, ds_id, dtype, after, plan)
 
 
@@ -34,7 +41,7 @@ def run_gather(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[tor
                plan: str) -> Tensor:
     """What ``gather_param`` does, as a plain function: the eager backend's final graphs call it directly
     (``PLAIN_CALLS``), past the dispatcher, since nothing traces or differentiates them any more."""
-    return registry.lookup(runtime_id).gather(ds_id, dtype, plan)
+    return registry.lookup(runtime_id).gather(standin, ds_id, dtype, plan)
 
 
 @gather_param.register_fake
@@ -45,12 +52,27 @@ def _(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype]
 
 def _gather_setup_context(ctx, inputs, output) -> None:
     ctx.num_after = len(inputs[4])
+    ctx.save_for_backward(inputs[0])
 
 
 def _gather_backward(ctx, grad: Tensor):
-    # The gathered tensor is the parameter itself: its gradient flows to the parameter input unchanged,
-    # where the backward rewrite replaces it by an in-graph reduce-scatter.
-    return grad, None, None, None, [None] * ctx.num_after, None
+    # The gathered tensor is the parameter itself: its gradient flows to the parameter input unchanged, through
+    # ``param_grad``, which names the parameter (the stand-in): the backward rewrite turns it into an in-graph
+    # reduce-scatter of that parameter, and the partition keeps the stand-in for backward to name it there.
+    standin, = ctx.saved_tensors
+    return param_grad(grad, standin), None, None, None, [None] * ctx.num_after, None
+
+
+@torch.library.custom_op("dsc::param_grad", mutates_args=())
+def param_grad(grad: Tensor, standin: Tensor) -> Tensor:
+    """The gradient of the parameter ``standin`` stands in for: only a marker in the traced backward, which
+    ``rewrite.insert_reduces_pass`` replaces by ``reduce_grad(grad, ..., standin)``; run as it is, a copy."""
+    return grad.clone()
+
+
+@param_grad.register_fake
+def _(grad: Tensor, standin: Tensor) -> Tensor:
+    return torch.empty_like(grad)
 
 
 gather_param.register_autograd(_gather_backward, setup_context=_gather_setup_context)
@@ -58,14 +80,15 @@ gather_param.register_autograd(_gather_backward, setup_context=_gather_setup_con
 
 @torch.library.custom_op("dsc::release_param", mutates_args=("gathered",))
 def release_param(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> None:
-    """Drop one reference to the gathered parameter; the last one frees its storage. ``after`` are the outputs
+    """Drop one reference to the gathered parameter (the runtime finds it from the tensor); the last one frees its
+    storage. ``after`` are the outputs
     of every op that reads the gathered tensor or its views: a data dependency, so no backend's scheduler can
     run the release before a reader (inductor does not order a mutation after fused readers by itself)."""
     run_release(gathered, runtime_id, ds_id, after)
 
 
 def run_release(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> None:
-    registry.lookup(runtime_id).release(ds_id, gathered)
+    registry.lookup(runtime_id).release(gathered, ds_id)
 
 
 @release_param.register_fake
@@ -74,17 +97,19 @@ def _(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> Non
 
 
 @torch.library.custom_op("dsc::reduce_grad", mutates_args=("grad",))
-def reduce_grad(grad: Tensor, runtime_id: int, ds_id: int) -> None:
-    """Queue the full gradient of parameter ``ds_id`` for a bucketed reduce-scatter into its ZeRO partition."""
-    run_reduce(grad, runtime_id, ds_id)
+def reduce_grad(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor]) -> None:
+    """Queue the full gradient of a parameter for a bucketed reduce-scatter into its ZeRO partition. ZeRO-3: the
+    parameter is the one ``param`` (its stand-in, a graph input) stands in for. ZeRO-1/2 (``param`` None): the
+    runtime's parameter ``ds_id`` (the graph is bound to its traced parameters, ``compiler.bind_to_traced_params``)."""
+    run_reduce(grad, runtime_id, ds_id, param)
 
 
-def run_reduce(grad: Tensor, runtime_id: int, ds_id: int) -> None:
-    registry.lookup(runtime_id).reduce(ds_id, grad)
+def run_reduce(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor]) -> None:
+    registry.lookup(runtime_id).reduce_op(grad, ds_id, param)
 
 
 @reduce_grad.register_fake
-def _(grad: Tensor, runtime_id: int, ds_id: int) -> None:
+def _(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor]) -> None:
     return None
 
 
@@ -114,6 +139,7 @@ def decode_plan(plan: str) -> Tuple[Run, Run]:
 GATHER = torch.ops.dsc.gather_param.default
 RELEASE = torch.ops.dsc.release_param.default
 REDUCE = torch.ops.dsc.reduce_grad.default
+PARAM_GRAD = torch.ops.dsc.param_grad.default
 
 # each op's plain function, for graphs that run as Python (the eager backend) once every pass is done
 PLAIN_CALLS = {GATHER: run_gather, RELEASE: run_release, REDUCE: run_reduce}

@@ -108,6 +108,10 @@ class Z12Runtime:
                            "block); those calls run uncompiled. Training stays correct.")
 
     # ----- gradients ------------------------------------------------------------------------------------
+    def reduce_op(self, grad: Tensor, key: int, param: Optional[Tensor]) -> None:
+        """The ``reduce_grad`` op: the graph is bound to the parameters it was traced with, so ``key`` names it."""
+        self.reduce(key, grad)
+
     def reduce(self, key: int, grad: Tensor) -> None:
         """A compiled backward produced parameter ``key``'s gradient: accumulate it into ``param.grad`` as
         ``AccumulateGrad`` does (``+=`` on an existing gradient), and hand it to ZeRO once its last source came."""

@@ -128,6 +128,9 @@ class Z3Runtime:
         # (kind, issued, waited for) of every collective, while recording: when communication was in flight
         self.collective_spans: Optional[List[Tuple[str, float, float]]] = None
         self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
+        self._gathered_at: Dict[int, Tuple[int, torch.dtype]] = {}  # a gathered tensor's data_ptr -> its key
+        self._by_standin: Dict[int, Parameter] = {}  # a stand-in's storage address -> its parameter (param_of)
+        self._moved_plans: Dict[Tuple[str, int], Tuple[Run, Run]] = {}  # (plan, first parameter) -> its runs
         self._buckets: Dict[torch.dtype, _Bucket] = {}
         self._bucket_buffers: Dict[torch.dtype, List[Tensor]] = {}
         self._pending_reduces: List[_PendingReduce] = []  # started reduce-scatters, oldest first
@@ -138,6 +141,8 @@ class Z3Runtime:
         self._held_grads: Dict[int, Tensor] = {}  # summed gradients of parameters with more uses to come
         names = {p.ds_id: name for name, p in engine.module.named_parameters() if hasattr(p, "ds_id")}
         self.eager = EagerAccess(self.params, names, self.reduce, self._add_live_bytes, self.note_grad_source)
+        self._names = names
+        self._by_name: Dict[str, Parameter] = {name: self.params[ds_id] for ds_id, name in names.items()}
         self.eager.install_grad_hooks()
         # the parameter dicts ZeRO-3 gathers from on access while marked in forward (see eager_access.py)
         self._param_dicts = [m._parameters for m in engine.module.modules() if hasattr(m._parameters, "_in_forward")]
@@ -158,6 +163,20 @@ class Z3Runtime:
         return [t.ds_id if isinstance(t, Parameter) and self.sharded.get(getattr(t, "ds_id", None)) is t else None
                 for t in inputs]
 
+    def param_of(self, standin: Tensor) -> Parameter:
+        """The sharded parameter a graph input stands in for (the ops find their parameter this way, so a graph
+        serves any module of the same code): its stand-in's storage, which the parameter's ``.data`` views while
+        the graphs run (``standins.install``), whatever wrapper of it the graph was handed."""
+        address = standin.untyped_storage().data_ptr()
+        param = self._by_standin.get(address)
+        if param is None or param.data.untyped_storage().data_ptr() != address:
+            self._by_standin = {p.data.untyped_storage().data_ptr(): p for p in self.sharded.values()}
+            param = self._by_standin.get(address)
+            if param is None:
+                raise AssertionError("deepspeed-compile: a graph op was given a tensor that is not the stand-in of "
+                                     "a sharded ZeRO-3 parameter of this engine")
+        return param
+
     # ----- gather / release ------------------------------------------------------------------------------
     def _wait(self, work, what: Callable[[], str]) -> None:
         with self._timeout_named(what):
@@ -177,15 +196,17 @@ class Z3Runtime:
             raise TimeoutError(f"deepspeed-compile: {what()} did not complete within {self.timeout} "
                                f"(compile.collective_timeout_s): a rank did not join it ({err})") from err
 
-    def gather(self, ds_id: int, dtype: Optional[torch.dtype], plan: str = "") -> Tensor:
-        param = self.params[ds_id]
+    def gather(self, standin: Tensor, traced_ds_id: int, dtype: Optional[torch.dtype], plan: str = "") -> Tensor:
+        """The ``gather_param`` op: the parameter ``standin`` stands in for, gathered (or its gathered copy shared).
+        ``traced_ds_id`` is the parameter the graph was traced with: the graph may run on another module's."""
+        param = self.param_of(standin)
         if self._forward_running:
             self.note_grad_source(param)
         if plan:
-            self._run_plan(plan)
+            self._run_plan(plan, traced_ds_id, param)
         shard = param.ds_tensor
         dtype = dtype or shard.dtype
-        key = (ds_id, dtype)
+        key = (param.ds_id, dtype)
         entry = self._gathered.get(key)
         if entry is not None:
             entry.refs += 1
@@ -198,23 +219,53 @@ class Z3Runtime:
         self.counters.allgather_collectives += 1
         return self._add_gathered(param, dtype, flat, refs=1)
 
-    def _run_plan(self, text: str) -> None:
+    def _run_plan(self, text: str, traced_ds_id: int, param: Parameter) -> None:
         """This run's parameters gathered (waiting for the collective started ahead, or one coalesced collective
         now), then the next run's collective started without waiting. Its receive buffer counts as live gathered
-        bytes from now on, as the static memory plan counts it (``schedule/memory_plan.in_flight_storages``)."""
+        bytes from now on, as the static memory plan counts it (``schedule/memory_plan.in_flight_storages``).
+        ``param`` is the run's first parameter, ``traced_ds_id`` the one the graph was traced with."""
         plan = self.gather_plans.get(text)
         if plan is None:
             plan = self.gather_plans[text] = _Plan(*decode_plan(text))
-        inflight = self._inflight.pop(plan.members, None)
+        members, following = plan.members, plan.next
+        if param.ds_id != traced_ds_id:  # a graph traced on another module of the same code
+            key = (text, param.ds_id)
+            if key not in self._moved_plans:
+                self._moved_plans[key] = (self._moved(members, traced_ds_id, param),
+                                          self._moved(following, traced_ds_id, param))
+            members, following = self._moved_plans[key]
+        inflight = self._inflight.pop(members, None)
         if inflight is None:  # nothing started ahead: gather the run now (a lone parameter takes its op's own path)
-            inflight = [started for dtype, members in self._missing(plan.members).items() if len(members) > 1
-                        for started in self._start_chunks(members, dtype)]
+            inflight = [started for dtype, group in self._missing(members).items() if len(group) > 1
+                        for started in self._start_chunks(group, dtype)]
         for started in inflight:  # chunk by chunk: each receive buffer is freed as soon as it is copied out
             self._finish_coalesced(started)
         del inflight
-        if plan.next and plan.next not in self._inflight:
-            self._inflight[plan.next] = [started for dtype, members in self._missing(plan.next).items()
-                                         for started in self._start_chunks(members, dtype)]
+        if following and following not in self._inflight:
+            self._inflight[following] = [started for dtype, group in self._missing(following).items()
+                                         for started in self._start_chunks(group, dtype)]
+
+    def _moved(self, run: Run, traced_ds_id: int, param: Parameter) -> Run:
+        """A plan's run, traced on the module that holds ``traced_ds_id``, for the module that holds ``param`` in its
+        place: each parameter named under the traced module's path is replaced by the one at the same place under
+        the other's (``layers.0.mlp.up.weight`` -> ``layers.3.mlp.up.weight`` when ``layers.0.attn.q.weight`` ran
+        as ``layers.3.attn.q.weight``); one outside it (a shared parameter) stays as it is."""
+        traced, actual = self._names[traced_ds_id].split("."), self._names[param.ds_id].split(".")
+        common = 0
+        while common < min(len(traced), len(actual)) and traced[-1 - common] == actual[-1 - common]:
+            common += 1
+        old, new = ".".join(traced[:len(traced) - common]), ".".join(actual[:len(actual) - common])
+        moved = []
+        for ds_id, dtype in run:
+            name = self._names[ds_id]
+            if old and name.startswith(old + "."):
+                name = f"{new}.{name[len(old) + 1:]}" if new else name[len(old) + 1:]
+            target = self._by_name.get(name)
+            if target is None:
+                raise AssertionError(f"deepspeed-compile: a gather plan traced on {old or 'the model'} has no "
+                                     f"counterpart of {self.eager.name(self.params[ds_id])} under {new or 'the model'}")
+            moved.append((target.ds_id, dtype))
+        return tuple(moved)
 
     def _missing(self, run: Run) -> Dict[torch.dtype, List[Parameter]]:
         """The run's parameters not gathered yet, by the dtype they are gathered in (one collective per dtype)."""
@@ -280,6 +331,7 @@ class Z3Runtime:
         full = flat.narrow(0, 0, param.ds_numel).view(param.ds_shape)
         nbytes = flat.numel() * flat.element_size()
         self._gathered[(param.ds_id, dtype)] = _Gathered(full, refs, nbytes)
+        self._gathered_at[full.data_ptr()] = (param.ds_id, dtype)
         c = self.counters
         c.gathers += 1
         c.allgather_bytes += nbytes
@@ -297,6 +349,7 @@ class Z3Runtime:
         self._inflight.clear()
         for key in [k for k, e in self._gathered.items() if e.refs == 0]:
             entry = self._gathered.pop(key)
+            self._gathered_at.pop(entry.tensor.data_ptr(), None)
             if self.free_on_release:
                 entry.tensor.untyped_storage().resize_(0)
             self.counters.live_gathered_bytes -= entry.nbytes
@@ -327,13 +380,17 @@ class Z3Runtime:
         if self.gathered_timeline is not None:
             self.gathered_timeline.append((time.perf_counter(), self.counters.live_gathered_bytes))
 
-    def release(self, ds_id: int, tensor: Tensor) -> None:
-        key = (ds_id, tensor.dtype)
-        entry = self._gathered.get(key)
+    def release(self, tensor: Tensor, traced_ds_id: int = -1) -> None:
+        """The ``release_param`` op: one reference to the gathered parameter ``tensor`` dropped (``traced_ds_id`` is
+        not used, as in :meth:`gather`)."""
+        key = self._gathered_at.get(tensor.data_ptr())
+        entry = None if key is None or key[1] != tensor.dtype else self._gathered.get(key)
         if entry is None:
-            raise AssertionError(f"release of parameter {ds_id} ({tensor.dtype}) that is not gathered")
+            raise AssertionError(f"release of a tensor ({tensor.dtype}, shape {tuple(tensor.shape)}) that is not a "
+                                 "gathered parameter")
         entry.refs -= 1
         if entry.refs == 0:
+            del self._gathered_at[tensor.data_ptr()]
             if self.free_on_release:
                 entry.tensor.untyped_storage().resize_(0)
             del self._gathered[key]
@@ -345,6 +402,12 @@ class Z3Runtime:
         """A forward graph (or eager code) used ``param``: one more gradient for it may come in backward."""
         if param.requires_grad:
             self._grad_sources[param.ds_id] = self._grad_sources.get(param.ds_id, 0) + 1
+
+    def reduce_op(self, grad: Tensor, ds_id: int, standin: Optional[Tensor]) -> None:
+        """The ``reduce_grad`` op: the gradient of the parameter ``standin`` stands in for. Without one, of parameter
+        ``ds_id``: a graph that hands a parameter back as it is gets its gradient as a backward input, with no
+        stand-in to name it (such graphs are bound to their traced parameters, ``compiler.make_backend``)."""
+        self.reduce(ds_id if standin is None else self.param_of(standin).ds_id, grad)
 
     def reduce(self, ds_id: int, grad: Tensor) -> None:
         """Queue parameter ``ds_id``'s gradient for the reduce-scatter. A parameter used by several graphs, or by

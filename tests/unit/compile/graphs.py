@@ -39,15 +39,15 @@ class FakeRuntime:
         self.calls: List[Tuple[str, int, Any]] = []
         self.id = registry.register(self)
 
-    def gather(self, ds_id: int, dtype: Optional[torch.dtype], plan: int = 0) -> torch.Tensor:
-        self.calls.append(("gather", ds_id, dtype))
+    def gather(self, standin: torch.Tensor, ds_id: int, dtype: Optional[torch.dtype], plan: str = "") -> torch.Tensor:
+        self.calls.append(("gather", ds_id, dtype))  # by the traced ds_id: these graphs run on their own parameters
         param = self.params[ds_id]
         return param.detach().to(dtype or param.dtype, copy=True)
 
-    def release(self, ds_id: int, gathered: torch.Tensor) -> None:
+    def release(self, gathered: torch.Tensor, ds_id: int) -> None:
         self.calls.append(("release", ds_id, gathered.dtype))
 
-    def reduce(self, ds_id: int, grad: torch.Tensor) -> None:
+    def reduce_op(self, grad: torch.Tensor, ds_id: int, param: Optional[torch.Tensor]) -> None:
         self.calls.append(("reduce", ds_id, grad.clone()))
 
     def ops(self) -> List[Tuple[str, int]]:
@@ -94,7 +94,7 @@ def insert_zero3_ops(gm: GraphModule, runtime_id: int, num_params: int, backward
         for ds_id, grad in enumerate(grads[:num_params]):
             if isinstance(grad, Node):
                 with graph.inserting_after(grad):
-                    graph.call_function(REDUCE, (grad, runtime_id, ds_id))
+                    graph.call_function(REDUCE, (grad, runtime_id, ds_id, None))
     graph.lint()
     gm.recompile()
     return gm
