@@ -61,6 +61,13 @@ class CompileConfig(DeepSpeedConfigModel):
     parameters. ``"prefetch"``: one prefetch bucket (``stage3_prefetch_bucket_size`` elements of the parameters'
     dtype), about what backward's first run of gathers would gather again at once. 0 (the default): every parameter
     is gathered again in backward."""
+    regions: Literal["model", "blocks"] = "model"
+    """``"model"``: the whole model is captured as one forward and one backward graph (per graph break), so the
+    schedule prefetches across its blocks. ``"blocks"``: each repeated block (the members of an ``nn.ModuleList`` of
+    two or more modules of one class: a transformer's layers) is compiled as a graph of its own, and the graph
+    compiled for the first block serves every block: the backend compiles one block instead of the whole model
+    (inductor's first step takes a fraction of the time), at the price of a blocking gather at the start of each
+    block's forward and backward (``capture/regions.py``)."""
     aot_cache: bool = True
     """With ``backend="inductor"``: let torch's AOTAutograd cache (``torch._functorch.config.enable_autograd_cache``,
     on by default, in ``TORCHINDUCTOR_CACHE_DIR``) serve compiled graphs to a later process, keyed on this module's

@@ -78,6 +78,12 @@ def _check_options(compile_config: CompileConfig, backend: str, schedule) -> boo
     return True
 
 
+def _check_regions(engine, compile_config: CompileConfig, stage: int) -> None:
+    if compile_config.regions == "blocks":
+        from .capture import regions
+        regions.check(engine.module, stage)
+
+
 def _activate(engine, runtime, stage: int, backend: str, compile_config: CompileConfig) -> Callable:
     from .capture.compiler import CompileStats, make_backend
     state = DeepCompileState(runtime, CompileStats(), stage)
@@ -93,7 +99,11 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
                      f"runs uncompiled eager ZeRO-{stage} from the next step on (engine.compile() tries again)")
         deactivate(engine, uncompile=True)
 
-    return make_backend(runtime, state.stats, compile_config, backend, on_failure)
+    compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure)
+    if compile_config.regions == "blocks":
+        from .capture import regions
+        regions.install(engine.module, compile_graph)
+    return compile_graph
 
 
 def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=None) -> Optional[Callable]:
@@ -101,6 +111,7 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
     fall back to plain ``torch.compile``)."""
     if not _check_options(compile_config, backend, schedule):
         return None
+    _check_regions(engine, compile_config, 3)
     # imported here: these register the graph ops, which `import deepspeed` must not pay for
     from .capture import eager_hooks
     from .runtime.z3 import Z3Runtime
@@ -116,6 +127,7 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
     compiled backward, ``runtime/z12.py``) and return the dynamo backend that compiles its graphs."""
     if not _check_options(compile_config, backend, schedule):
         return None
+    _check_regions(engine, compile_config, stage)
     from .runtime.z12 import Z12Runtime
     runtime = Z12Runtime(engine, stage=stage)
     return _activate(engine, runtime, stage, backend, compile_config)
@@ -135,6 +147,8 @@ def deactivate(engine, uncompile: bool = False) -> None:
     if engine.is_deepcompile_active():
         engine._set_deepcompile_active(False)
     if uncompile:
+        from .capture import regions
+        regions.uninstall(engine.module)
         # nn.Module.compile() keeps its wrapper here; the engine records compilation in _is_compiled
         engine.module._compiled_call_impl = None
         engine._is_compiled = False

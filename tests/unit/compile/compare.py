@@ -96,8 +96,13 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
     compiled = make_engine(model, ds_config(stage, section, dtype, grad_accum, **config_kwargs))
     out = train_and_record(compiled, model, steps, grad_steps, compile_kwargs={"backend": backend})
     state = state_of(compiled, active_only=False)
-    out.update({"active": compiled.is_deepcompile_active(), "counters": vars(state.runtime.counters).copy(),
-                "saved": vars(state.stats.saved).copy(), "graphs": state.stats.graphs_compiled})
+    names = {getattr(p, "ds_id", None): name for name, p in compiled.module.named_parameters()}
+    out.update({# per compiled graph (forward and backward): the parameters its collectives were traced with
+                "traced_params": [sorted({names[key] for _, key in order}) for order in state.stats.collective_orders],
+                "active": compiled.is_deepcompile_active(), "counters": vars(state.runtime.counters).copy(),
+                "saved": vars(state.stats.saved).copy(), "graphs": state.stats.graphs_compiled,
+                # a graph ran uncompiled on parameters other than those it was traced with (bind_to_traced_params)
+                "ran_uncompiled": state.runtime.eager._warned_reuse if stage == 3 else state.runtime._warned_reuse})
     compiled.destroy()
     return out
 
@@ -121,6 +126,15 @@ def unequal(a: Tensors, b: Tensors) -> List[str]:
     """Names whose tensors are not bitwise equal (a frozen parameter's None must be None on both sides)."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return [k for k in a if (a[k] is None) != (b[k] is None) or (a[k] is not None and not torch.equal(a[k], b[k]))]
+
+
+def assert_one_graph_serves_both_blocks(r: Dict[str, Any]) -> None:
+    """The block graph was compiled once, traced on the first block (a forward and a backward graph), and served the
+    second block compiled: no graph ran uncompiled (the embedding's own frame is another graph, with no block)."""
+    block_graphs = [names for names in r["traced_params"] if any(n.startswith("blocks.") for n in names)]
+    assert len(block_graphs) == 2 and all(n.startswith("blocks.0.") for names in block_graphs for n in names
+                                          if n.startswith("blocks.")), r["traced_params"]
+    assert not r["ran_uncompiled"]
 
 
 def assert_bitwise_equal(r: Dict[str, Any]) -> None:

@@ -61,6 +61,16 @@ def test_bad_schedule_and_backend_are_refused():
         check_compile_request(CompileConfig(deepcompile=True), "aot_eager", None)
 
 
+def test_regions_blocks_is_refused_where_it_cannot_serve():
+    from deepspeed.compile.capture import regions
+    from models import make_model
+    assert len(regions.repeated_blocks(make_model("gpt"))) == 2  # the test GPT's two blocks
+    with pytest.raises(ValueError, match="regions='blocks': the model has no repeated blocks"):
+        regions.check(make_model("mlp"), 3)
+    with pytest.raises(ValueError, match="regions='blocks' is implemented for ZeRO stage 3"):
+        regions.check(make_model("gpt"), 2)
+
+
 # ----- 2 ranks ---------------------------------------------------------------------------------------------
 
 def _train_zero3_deepcompile():

@@ -1,6 +1,7 @@
 """The pipeline under ``backend="inductor"``, against eager ZeRO-3 trained in the same process (2 gloo ranks).
 
-Inductor compiles take 30-60 s per configuration on 2 CPU cores: two tests, each one spawned run.
+Inductor compiles take 30-60 s per configuration on 2 CPU cores: two tests, each one spawned run (the first also
+compiles the model block by block, ``regions: "blocks"``, in fp32).
 
 Tolerances: inductor fuses and reorders fp32 arithmetic (layer-norm and softmax reductions, fused matmul
 epilogues), so results are not bitwise equal to eager ZeRO-3. In fp32, gradients (after each backward of the first
@@ -22,11 +23,15 @@ FP32_TOL = 1e-5
 
 
 def _inductor_pairs():
-    from compare import run_pair
+    from compare import run_compiled, run_pair
     out = {}
     for dtype in ("fp32", "autocast"):
         out[dtype] = run_pair("gpt", STEPS, dtype=dtype, backend="inductor", optimizer="sgd", grad_steps=1)
     out["autocast"]["fp32_grads"] = out["fp32"]["eager_grads"]  # eager ZeRO-3 in fp32 from the same start
+    # block by block: one compiled graph for both blocks, against the same eager ZeRO-3 run
+    eager = {key: value for key, value in out["fp32"].items() if key.startswith("eager_")}
+    out["blocks"] = {**eager, **run_compiled("gpt", STEPS, compile_section={"regions": "blocks"}, backend="inductor",
+                                             optimizer="sgd", grad_steps=1)}
     return out
 
 
@@ -40,7 +45,7 @@ def check_fp32_close(r):
 
 
 def test_inductor_matches_eager_zero3_and_saves_no_parameter():
-    from compare import check_bf16_against_eager, loss_fell
+    from compare import assert_one_graph_serves_both_blocks, check_bf16_against_eager, loss_fell
     for out in run_distributed(_inductor_pairs, timeout_s=540):
         print("fp32:", check_fp32_close(out["fp32"]))
         print("autocast:", check_bf16_against_eager(out["autocast"], "autocast"))
@@ -52,6 +57,12 @@ def test_inductor_matches_eager_zero3_and_saves_no_parameter():
             assert r["live_after_step"] == [0] * STEPS
             assert r["counters"]["gathers"] > 0
         assert out["autocast"]["counters"]["allgather_bytes_by_dtype"]["torch.bfloat16"] > 0  # fused cast
+        blocks = out["blocks"]
+        print("fp32, regions='blocks':", check_fp32_close(blocks))
+        # one graph compiled, for the first block, ran compiled for the second too; nothing of it saved a parameter
+        assert blocks["active"]
+        assert_one_graph_serves_both_blocks(blocks)
+        assert blocks["saved"]["param_bytes"] == 0 and blocks["live_after_step"] == [0] * STEPS
 
 
 def _accumulation_and_checkpoint(ckpt_dir):

@@ -1,7 +1,7 @@
 """Each of this module's own "compile" options against eager ZeRO-3 on the same data (2 gloo ranks, eager backend).
 
-fp32 options (``schedule: "traced"``, ``prefetch: 2``, ``partitioner: "default"``) change where gathers, releases
-and saved tensors go, never the arithmetic: losses, gradients after every backward of the first 2 steps,
+fp32 options (``schedule: "traced"``, ``prefetch: 2``, ``partitioner: "default"``, ``regions: "blocks"``) change
+where gathers, releases and saved tensors go, or which graphs there are, never the arithmetic: losses, gradients after every backward of the first 2 steps,
 parameters and buffers must be bitwise equal to eager ZeRO-3's. ``fused_cast: false`` only matters under
 autocast(bf16), where the compiled graph and eager ZeRO-3 round differently: the bounds of test_pipeline.py apply
 against eager ZeRO-3, and the unfused graph must be bitwise equal to the fused one (casting a shard before the
@@ -13,7 +13,7 @@ from distributed import run_distributed
 
 STEPS = 6
 FP32_OPTIONS = {"traced": {"schedule": "traced"}, "prefetch2": {"prefetch": 2},
-                "default_partitioner": {"partitioner": "default"}}
+                "default_partitioner": {"partitioner": "default"}, "blocks": {"regions": "blocks"}}
 
 
 def _options_against_eager():
@@ -38,12 +38,16 @@ def results():
 
 @pytest.mark.parametrize("option", sorted(FP32_OPTIONS))
 def test_fp32_option_matches_eager_zero3(results, option):
-    from compare import assert_bitwise_equal, loss_fell
+    from compare import assert_bitwise_equal, assert_one_graph_serves_both_blocks, loss_fell
     for out in results:
         r = out[option]
         assert r["active"] and r["live_after_step"] == [0] * STEPS and r["counters"]["gathers"] > 0
         assert_bitwise_equal(r)
         assert loss_fell(r["losses"], by=0.01), r["losses"]
+    assert not any(out[option]["ran_uncompiled"] for out in results)
+    if option == "blocks":  # one graph, compiled for the first block, ran compiled for the second one too
+        for out in results:
+            assert_one_graph_serves_both_blocks(out[option])
     if option == "default_partitioner":  # the option took effect: parameters are saved for backward
         assert all(out[option]["saved"]["param_bytes"] > 0 for out in results)
     else:
