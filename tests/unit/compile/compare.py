@@ -97,12 +97,15 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
     out = train_and_record(compiled, model, steps, grad_steps, compile_kwargs={"backend": backend})
     state = state_of(compiled, active_only=False)
     names = {getattr(p, "ds_id", None): name for name, p in compiled.module.named_parameters()}
-    out.update({# per compiled graph (forward and backward): the parameters its collectives were traced with
-                "traced_params": [sorted({names[key] for _, key in order}) for order in state.stats.collective_orders],
-                "active": compiled.is_deepcompile_active(), "counters": vars(state.runtime.counters).copy(),
+    out.update({"active": compiled.is_deepcompile_active(), "counters": vars(state.runtime.counters).copy(),
                 "saved": vars(state.stats.saved).copy(), "graphs": state.stats.graphs_compiled,
                 # a graph ran uncompiled on parameters other than those it was traced with (bind_to_traced_params)
-                "ran_uncompiled": state.runtime.eager._warned_reuse if stage == 3 else state.runtime._warned_reuse})
+                "ran_uncompiled": state.runtime.eager._warned_reuse if stage == 3 else state.runtime._warned_reuse,
+                # ZeRO-3, per compiled graph (forward and backward): the parameters its collectives were traced with
+                "traced_params": [sorted({names[key] for _, key in order}) for order in state.stats.collective_orders]
+                if stage == 3 else None,
+                # coalesced runs the last step gathered (ZeRO-3, regions='blocks': the runtime's record of them)
+                "runs_per_step": len(getattr(state.runtime, "_runs_last_step", ()))})
     compiled.destroy()
     return out
 
