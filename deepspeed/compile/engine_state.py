@@ -116,7 +116,8 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
     from .capture import eager_hooks
     from .runtime.z3 import Z3Runtime
     runtime = Z3Runtime(engine, timeout_s=compile_config.collective_timeout_s, free_on_release=backend == "eager",
-                        native_op=compile_config.native_op)
+                        native_op=compile_config.native_op,
+                        prefetch_across_graphs=compile_config.regions == "blocks")
     eager_hooks.switch_off(engine)
     return _activate(engine, runtime, 3, backend, compile_config)
 

@@ -43,6 +43,7 @@ class Counters:
     peak_gathered_bytes: int = 0
     allgather_bytes_by_dtype: Dict[str, int] = field(default_factory=dict)
     gather_seconds: float = 0.0  # time spent waiting for all-gathers (exposed communication)
+    runs_started_ahead: int = 0  # coalesced runs whose collective had been started before they were needed
     reduce_collectives: int = 0
     reduce_bytes: int = 0  # bytes sent by gradient reductions (here all reduce-scatters)
     reduce_wait_seconds: float = 0.0  # time spent waiting for reduce-scatters started earlier
@@ -90,7 +91,8 @@ class _PendingReduce:
 class Z3Runtime:
     stage = 3
 
-    def __init__(self, engine, *, timeout_s: float = 0.0, free_on_release: bool = True, native_op: str = "auto"):
+    def __init__(self, engine, *, timeout_s: float = 0.0, free_on_release: bool = True, native_op: str = "auto",
+                 prefetch_across_graphs: bool = False):
         self.engine = engine
         self.optimizer = engine.optimizer
         self.group = self.optimizer.dp_process_group
@@ -112,6 +114,12 @@ class Z3Runtime:
         # the gather runs the graphs have started, by their ``plan`` text, in first-use order (decoded once)
         self.gather_plans: Dict[str, _Plan] = {}
         self._inflight: Dict[Run, List[_Started]] = {}  # a run -> its all-gathers started ahead
+        # Across graphs (compile.regions='blocks': one graph per block, so each block's first run would wait): the
+        # last run of a graph starts the run that came next in the last step, while this step has followed it
+        self.prefetch_across_graphs = prefetch_across_graphs
+        self._runs_this_step: List[Run] = []  # every run, in the order this step gathered them
+        self._runs_last_step: List[Run] = []
+        self._on_last_step = True  # this step has gathered the same runs as the last one so far
         self.input_cast_hook = None  # fp16 auto_cast: the engine's input cast, as a forward pre-hook (init_z3)
         # the columns one reduce of every trained parameter needs: no bucket is ever wider
         self._grad_columns = sum(p.partition_numel() for p in self.params.values() if p.requires_grad)
@@ -235,12 +243,15 @@ class Z3Runtime:
                                           self._moved(following, traced_ds_id, param))
             members, following = self._moved_plans[key]
         inflight = self._inflight.pop(members, None)
+        self.counters.runs_started_ahead += inflight is not None
         if inflight is None:  # nothing started ahead: gather the run now (a lone parameter takes its op's own path)
             inflight = [started for dtype, group in self._missing(members).items() if len(group) > 1
                         for started in self._start_chunks(group, dtype)]
         for started in inflight:  # chunk by chunk: each receive buffer is freed as soon as it is copied out
             self._finish_coalesced(started)
         del inflight
+        if self.prefetch_across_graphs:
+            following = following or self._next_as_last_step(members)
         if following and following not in self._inflight:
             self._inflight[following] = [started for dtype, group in self._missing(following).items()
                                          for started in self._start_chunks(group, dtype)]
@@ -266,6 +277,23 @@ class Z3Runtime:
                                      f"counterpart of {self.eager.name(self.params[ds_id])} under {new or 'the model'}")
             moved.append((target.ds_id, dtype))
         return tuple(moved)
+
+    def _next_as_last_step(self, run: Run) -> Run:
+        """The run after ``run`` in the last step, if this step has gathered the same runs so far (every rank runs the
+        same graphs in the same order, so every rank starts the same collective at the same point); else none."""
+        done, last = self._runs_this_step, self._runs_last_step
+        done.append(run)
+        i = len(done)
+        self._on_last_step = self._on_last_step and i <= len(last) and last[i - 1] == run
+        return last[i] if self._on_last_step and i < len(last) else ()
+
+    def _end_of_step(self, learn: bool) -> None:
+        """This step's runs become the order the next step prefetches by (``learn``: a training step; an inference
+        forward only forgets them)."""
+        if learn:
+            self._runs_last_step = self._runs_this_step
+        self._runs_this_step = []
+        self._on_last_step = True
 
     def _missing(self, run: Run) -> Dict[torch.dtype, List[Parameter]]:
         """The run's parameters not gathered yet, by the dtype they are gathered in (one collective per dtype)."""
@@ -571,6 +599,8 @@ class Z3Runtime:
                 params._in_forward = False
         self._backward_pending = torch.is_grad_enabled()
         if not self._backward_pending:  # no backward will come to end this step
+            self._end_of_step(learn=False)
+            self._drop_unclaimed()
             self._grad_sources.clear()
             self.eager.release()
             standins.uninstall(self.params.values())
@@ -589,6 +619,7 @@ class Z3Runtime:
         self._finish_reduces()
         # DeepSpeed's epilogue points averaged_gradients at the partitions we filled and ends the micro-step
         self._reduced.clear()
+        self._end_of_step(learn=True)
         self._drop_unclaimed()
         self.optimizer.independent_gradient_partition_epilogue()
         self.eager.release()
