@@ -47,6 +47,7 @@ class CompileStats:
     pass_times: Dict[str, float] = field(default_factory=dict)  # seconds per pipeline pass
     # the largest static-plan peak of live gathered bytes over the graphs, in-flight collectives included: the
     # runtime's measured peak stays at or below it (up to shard padding) while no code outside the graphs gathers
+    # and no run is prefetched across graphs (compile.regions='blocks': one run more, at a block boundary)
     planned_peak_gathered_bytes: int = 0
     # seconds in the forward / backward graph compilers (our passes and the backend's compile), per direction
     compile_seconds: Dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
