@@ -250,8 +250,9 @@ class Z3Runtime:
         for started in inflight:  # chunk by chunk: each receive buffer is freed as soon as it is copied out
             self._finish_coalesced(started)
         del inflight
-        if self.prefetch_across_graphs:
-            following = following or self._next_as_last_step(members)
+        if self.prefetch_across_graphs:  # every run is recorded; the last of a graph starts the next graph's first
+            next_as_last_step = self._next_as_last_step(members)
+            following = following or next_as_last_step
         if following and following not in self._inflight:
             self._inflight[following] = [started for dtype, group in self._missing(following).items()
                                          for started in self._start_chunks(group, dtype)]
