@@ -35,8 +35,8 @@ from benchmarks.memory import live_tensor_bytes, mark, step_peak, trace_memory  
 from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_count  # noqa: E402
 from benchmarks.saved import saved_bytes  # noqa: E402
 
-ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-blocks", "ours-default", "fsdp2", "fsdp2+compile",
-        "zero1", "ours-zero1", "zero2", "zero2+compile", "ours-zero2")
+ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-blocks", "ours-default", "fsdp2",
+        "fsdp2+compile", "zero1", "ours-zero1", "zero2", "zero2+compile", "ours-zero2")
 EAGER_ROWS = ("zero3", "zero1", "zero2", "fsdp2")  # rows that compile nothing
 DTYPES = ("fp32", "bf16", "autocast")
 LR = 1e-3

@@ -27,8 +27,8 @@ def is_gather(node: Node) -> bool:
     return node.op == "call_function" and node.target is GATHER
 
 
-# gather_param's arguments, in order (``runtime/ops.py``)
-GATHER_FIELDS = ("standin", "runtime_id", "ds_id", "dtype", "after", "plan")
+# gather_param's arguments, in order, as its schema names them (``runtime/ops.py``)
+GATHER_FIELDS = tuple(argument.name for argument in GATHER._schema.arguments)
 _GATHER_DEFAULTS = {"dtype": None, "after": (), "plan": ""}
 
 

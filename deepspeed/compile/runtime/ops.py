@@ -3,9 +3,9 @@
 Each op carries the id of the runtime that owns it (see ``registry``) and the ``ds_id`` of the parameter the graph
 was traced with; the work is done by that runtime. At run time an op finds its parameter from the tensors it is
 given, never from the ``ds_id``: a gather from its stand-in input, a release from the gathered tensor, a reduce
-from the parameter input it is handed (and a run of coalesced gathers from its first member, ``Z3Runtime._run_plan``). So one compiled graph serves every module of the same code (dynamo reuses
-a graph for every block of a model it compiles block by block, its guards being on metadata), each call on its
-own parameters. The ``ds_id`` names the traced parameter for the compiler's passes and reports.
+from the parameter input it is handed, a run of coalesced gathers from its first member (``Z3Runtime._run_plan``).
+So one compiled graph serves every module of the same code (dynamo reuses a graph for every block of a model it
+compiles block by block, its guards being on metadata), each call on its own parameters. The ``ds_id`` names the traced parameter for the compiler's passes and reports.
 Ops with no result declare the mutation they really perform (``release_param`` frees the gathered buffer's
 storage, ``reduce_grad`` consumes the gradient) so that no compiler drops or reorders them across their data.
 """

@@ -412,14 +412,15 @@ class Z3Runtime:
     def release(self, tensor: Tensor, traced_ds_id: int = -1) -> None:
         """The ``release_param`` op: one reference to the gathered parameter ``tensor`` dropped (``traced_ds_id`` is
         not used, as in :meth:`gather`)."""
-        key = self._gathered_at.get(tensor.data_ptr())
+        address = tensor.data_ptr()
+        key = self._gathered_at.get(address)
         entry = None if key is None or key[1] != tensor.dtype else self._gathered.get(key)
         if entry is None:
             raise AssertionError(f"release of a tensor ({tensor.dtype}, shape {tuple(tensor.shape)}) that is not a "
                                  "gathered parameter")
         entry.refs -= 1
         if entry.refs == 0:
-            del self._gathered_at[tensor.data_ptr()]
+            del self._gathered_at[address]
             if self.free_on_release:
                 entry.tensor.untyped_storage().resize_(0)
             del self._gathered[key]

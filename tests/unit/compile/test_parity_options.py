@@ -2,9 +2,9 @@
 
 fp32 options (``schedule: "traced"``, ``prefetch: 2``, ``partitioner: "default"``, ``regions: "blocks"``) change
 where gathers, releases and saved tensors go, or which graphs there are, never the arithmetic: losses, gradients
-after every backward of the first 2 steps, parameters and buffers must be bitwise equal to eager ZeRO-3's. ``fused_cast: false`` only matters under
-autocast(bf16), where the compiled graph and eager ZeRO-3 round differently: the bounds of test_pipeline.py apply
-against eager ZeRO-3, and the unfused graph must be bitwise equal to the fused one (casting a shard before the
+after every backward of the first 2 steps, parameters and buffers must be bitwise equal to eager ZeRO-3's.
+``fused_cast: false`` only matters under autocast(bf16), where the compiled graph and eager ZeRO-3 round
+differently: the bounds of test_pipeline.py apply against eager ZeRO-3, and the unfused graph must be bitwise equal to the fused one (casting a shard before the
 gather or the gathered parameter after it gives the same bf16 values).
 """
 import pytest
