@@ -36,6 +36,8 @@ class MemoryTimeline:
     live_bytes: List[int] = field(default_factory=list)  # bytes allocated in the window and still live
     marks: List[Tuple[str, float, float]] = field(default_factory=list)  # (name, start_s, end_s)
     inferred_frees: int = 0  # frees recovered by address matching (not reported by the profiler)
+    # the allocation events behind each point, (ptr, size, what allocated it): size < 0 is a free (live_at_peak)
+    events: List[Tuple[int, int, str]] = field(default_factory=list, repr=False)
 
     def window(self, start_s: float, end_s: float) -> "MemoryTimeline":
         """The part of the timeline in [start_s, end_s], re-based so that it starts at 0 s and 0 bytes."""
@@ -94,6 +96,28 @@ class _LiveBlocks:
         self.total += size
 
 
+_ALLOCATING = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided",
+               "aten::zeros", "aten::zeros_like", "aten::new_zeros", "aten::full", "aten::ones_like")
+
+
+def _allocated_by(ev) -> str:
+    """What an allocation was made for: the innermost op above it that is not a bare allocation, and the nearest
+    enclosing call that is not an aten op (an autograd node, a compiled graph, a graph op, a benchmark mark)."""
+    op, allocation, where = None, None, None
+    parent = ev.parent
+    while parent is not None and where is None:
+        name = parent.name
+        if op is None and name in _ALLOCATING:
+            allocation = name  # an op that only allocates: named if no op above it does more
+        elif op is None and name.startswith("aten::"):
+            op = name
+        elif not name.startswith("aten::"):
+            where = name
+        parent = parent.parent
+    op = op or allocation or "?"
+    return f"{op} < {where}" if where else op
+
+
 def _walk(events) -> Iterator:
     stack = list(events)
     while stack:
@@ -111,20 +135,22 @@ def timeline_from_profile(prof: profile, device_type: str = "cpu") -> MemoryTime
         ef = ev.extra_fields
         if type(ef).__name__ == "_ExtraFields_Allocation":
             if ef.device.type == device_type and ef.alloc_size != 0:
-                allocs.append((ev.start_time_ns, ef.ptr, ef.alloc_size))
+                label = _allocated_by(ev) if ef.alloc_size > 0 else ""
+                allocs.append((ev.start_time_ns, ef.ptr, ef.alloc_size, label))
         elif ev.name.startswith(MARK_PREFIX):
             marks.append((ev.name[len(MARK_PREFIX):], ev.start_time_ns, ev.end_time_ns))
     allocs.sort(key=lambda a: a[0])
     t0 = t0 or 0
     blocks = _LiveBlocks()
     out = MemoryTimeline()
-    for t, ptr, size in allocs:
+    for t, ptr, size, label in allocs:
         if size > 0:
             blocks.alloc(ptr, size)
         elif not blocks.free(ptr):
             continue  # a block from before the window: its free is not reported consistently
         out.times_s.append((t - t0) / 1e9)
         out.live_bytes.append(blocks.total)
+        out.events.append((ptr, size, label))
     out.marks = sorted((n, (s - t0) / 1e9, (e - t0) / 1e9) for n, s, e in marks)
     out.inferred_frees = blocks.inferred_frees
     return out
@@ -171,6 +197,39 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
         except (RuntimeError, NotImplementedError):
             continue
     return sum(seen.values())
+
+
+def live_at_peak(timeline: MemoryTimeline, step_mark: str, top: int = 12) -> List[Tuple[str, int, int]]:
+    """What is live at the peak of the last range named ``step_mark`` (``timeline`` as traced, not a window), of
+    what was allocated inside that range: ``(allocated by, bytes, blocks)``, largest first, ``top`` of them and the
+    rest summed as ``"(other)"``. The sum is the window's peak above its start (``step_peak(...).peak_bytes``) plus
+    what the range freed from before it by then."""
+    ranges = [(s, e) for n, s, e in timeline.marks if n == step_mark]
+    if not ranges:
+        return []
+    start, end = ranges[-1]
+    first = bisect.bisect_right(timeline.times_s, start)
+    last = bisect.bisect_right(timeline.times_s, end)
+    if first >= last:
+        return []
+    peak = max(range(first, last), key=lambda i: timeline.live_bytes[i])
+    blocks, labels = _LiveBlocks(), {}
+    for i, (ptr, size, label) in enumerate(timeline.events[:peak + 1]):
+        if size > 0:
+            blocks.alloc(ptr, size)
+            labels[ptr] = (label, i >= first)
+        else:
+            blocks.free(ptr)
+    by_label: Dict[str, List[int]] = {}
+    for ptr, size in blocks.sizes.items():
+        label, inside = labels[ptr]
+        if inside:
+            entry = by_label.setdefault(label, [0, 0])
+            entry[0] += size
+            entry[1] += 1
+    ranked = sorted(((label, b, n) for label, (b, n) in by_label.items()), key=lambda x: -x[1])
+    rest = ranked[top:]
+    return ranked[:top] + ([("(other)", sum(b for _, b, _ in rest), sum(n for _, _, n in rest))] if rest else [])
 
 
 def step_peak(timeline: MemoryTimeline, step_mark: str) -> Optional[MemoryTimeline]:

@@ -178,6 +178,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--compile-profile", action="store_true",
                    help="also print where each configuration's first step went (dynamo, AOTAutograd, our passes, "
                         "inductor phases, C++ compile): benchmarks/compile_profile.py")
+    p.add_argument("--live-at-peak", action="store_true",
+                   help="also print, per configuration, what was live at its peak above the step start, by what "
+                        "allocated it (benchmarks/memory.py: live_at_peak)")
     p.add_argument("--cold-compile", action="store_true",
                    help="a fresh, empty inductor cache for every configuration (fair first-step compile times)")
     args = p.parse_args(argv)
@@ -188,6 +191,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"--{name}: {bad or 'empty'} not in {','.join(allowed)}")
         setattr(args, name, values)
     return args
+
+
+def live_table(results: List[Dict[str, Any]]) -> str:
+    """One section per configuration: what was live at its peak, by what allocated it, largest first."""
+    parts = []
+    for r in results:
+        if not r.get("live_at_peak"):
+            continue
+        name = r["row"] if r["backend"] == "-" else f"{r['row']}[{r['backend']}]"
+        lines = [f"{r['dtype']} {name}: peak above start {_mib(r['peak_above_start_bytes'])} MiB", "",
+                 "| allocated by | MiB | blocks |", "|---|---|---|"]
+        lines += [f"| `{label}` | {_mib(size)} | {count} |" for label, size, count in r["live_at_peak"]]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -211,6 +228,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\nRatios (median step, peak above step start):\n{ratios(results)}")
     if args.compile_profile:
         print(f"\n### First step, by compile phase (rank 0, exclusive seconds)\n\n{compile_profile.table(results)}")
+    if args.live_at_peak:
+        print(f"\n### Live at the peak, by what allocated it (rank 0, MiB allocated in the step)\n\n{live_table(results)}")
     json_path = os.path.join(args.out, f"results_{args.model}.json")
     with open(json_path, "w") as f:
         json.dump({"args": vars(args), "loss_rtol": LOSS_RTOL, "results": results}, f, indent=1)

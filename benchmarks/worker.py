@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks import compile_profile  # noqa: E402
 from benchmarks.comm import count_collectives  # noqa: E402
-from benchmarks.memory import live_tensor_bytes, mark, step_peak, trace_memory  # noqa: E402
+from benchmarks.memory import live_at_peak, live_tensor_bytes, mark, step_peak, trace_memory  # noqa: E402
 from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_count  # noqa: E402
 from benchmarks.saved import saved_bytes  # noqa: E402
 
@@ -205,6 +205,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     spans = report.collective_spans(engine) if ours_row else None
     timeline = step_peak(traced["timeline"], "step")
     peak_above = timeline.peak_bytes if timeline is not None else None
+    at_peak = live_at_peak(traced["timeline"], "step")
 
     mean_loss = torch.tensor([losses[-1]], dtype=torch.float64)
     dist.all_reduce(mean_loss)
@@ -222,6 +223,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "reduce_scatter_bytes_per_step": counts.reduce_scatter_bytes / args.steps,
         "comm_source": "torch.distributed", "peak_gathered_bytes": None, "report": ours,
         "compile_timers": compile_timers,
+        # what was live at that peak, by what allocated it: [allocated by, bytes, blocks] (benchmarks/memory.py)
+        "live_at_peak": at_peak,
     }
     if ours is not None and ours["zero_stage"] == 3:  # ZeRO-1/2 rows are counted at torch.distributed, as zero1/2
         result.update(saved_param_bytes=ours.get("saved_param_bytes"), saved_other_bytes=ours.get("saved_other_bytes"),

@@ -12,8 +12,8 @@ import torch
 from checkout import REPO_ROOT
 
 sys.path.insert(0, REPO_ROOT)
-from benchmarks.memory import (PAGE_BYTES, MemoryTimeline, _LiveBlocks, live_tensor_bytes, mark,  # noqa: E402
-                               step_peak, trace_memory)
+from benchmarks.memory import (PAGE_BYTES, MemoryTimeline, _LiveBlocks, live_at_peak,  # noqa: E402
+                               live_tensor_bytes, mark, step_peak, trace_memory)
 
 MiB = 1 << 20
 
@@ -36,6 +36,22 @@ def test_peak_of_known_allocations():
     assert abs(timeline.end_bytes) <= 4 * PAGE_BYTES
     step = step_peak(timeline, "step")
     assert step is not None and abs(step.peak_bytes - 6 * MiB) <= 4 * PAGE_BYTES
+
+
+def test_live_at_peak_names_what_allocated_each_block():
+    with trace_memory() as result:
+        with mark("step"):
+            keep = _alloc(1 * MiB)  # from before the measured step, freed inside it: not counted at the peak
+        with mark("step"):
+            summed = torch.ones(1 << 18) + 1  # 1 MiB from aten::add (aten::ones' 1 MiB freed at once)
+            del keep
+            big = torch.zeros(1 << 19).cos()  # peak: 1 + 2 + 2 MiB of add, zeros and cos, then zeros' freed
+            product = summed * 2
+            del summed, big, product
+    step = step_peak(result["timeline"], "step")
+    found = {label.split(" <")[0]: (size, count) for label, size, count in live_at_peak(result["timeline"], "step")}
+    assert found == {"aten::add": (1 * MiB, 1), "aten::zeros": (2 * MiB, 1), "aten::cos": (2 * MiB, 1)}, found
+    assert abs(step.peak_bytes - (5 - 1) * MiB) <= PAGE_BYTES  # above the step's start, which held `keep`
 
 
 def test_window_rebases_on_a_later_step():
