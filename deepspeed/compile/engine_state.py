@@ -78,10 +78,10 @@ def _check_options(compile_config: CompileConfig, backend: str, schedule) -> boo
     return True
 
 
-def _check_regions(engine, compile_config: CompileConfig, stage: int) -> None:
+def _check_regions(engine, compile_config: CompileConfig) -> None:
     if compile_config.regions == "blocks":
         from .capture import regions
-        regions.check(engine.module, stage)
+        regions.check(engine.module)
 
 
 def _activate(engine, runtime, stage: int, backend: str, compile_config: CompileConfig) -> Callable:
@@ -111,7 +111,7 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
     fall back to plain ``torch.compile``)."""
     if not _check_options(compile_config, backend, schedule):
         return None
-    _check_regions(engine, compile_config, 3)
+    _check_regions(engine, compile_config)
     # imported here: these register the graph ops, which `import deepspeed` must not pay for
     from .capture import eager_hooks
     from .runtime.z3 import Z3Runtime
@@ -128,7 +128,7 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
     compiled backward, ``runtime/z12.py``) and return the dynamo backend that compiles its graphs."""
     if not _check_options(compile_config, backend, schedule):
         return None
-    _check_regions(engine, compile_config, stage)
+    _check_regions(engine, compile_config)
     from .runtime.z12 import Z12Runtime
     runtime = Z12Runtime(engine, stage=stage)
     return _activate(engine, runtime, stage, backend, compile_config)

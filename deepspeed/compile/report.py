@@ -37,6 +37,8 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         "pass_seconds": dict(state.stats.pass_times),
         "compile_seconds": dict(state.stats.compile_seconds),
     }
+    if state.stage != 3:
+        report["eager_grads"] = c.eager_grads
     if state.stage == 3:
         report.update({
             "gather_path": runtime.gather_path,

@@ -97,6 +97,9 @@ class GraphCompiler:
             if ds_id is not None:
                 node.meta[META_DS_ID] = ds_id
         self.num_fwd_outputs = num_fwd_outputs
+        if self.runtime.stage != 3:  # replicated parameters: each reduce is handed its parameter, as ZeRO-3's are
+            rewrite.mark_param_grads_pass(joint, num_fwd_outputs=num_fwd_outputs,
+                                          grad_inputs=[i for i, key in enumerate(self.grad_keys) if key is not None])
         if self.config.partitioner == "min_cut":
             budget = self.keep_budget() - self.stats.kept_gathered_bytes
             kept = choose_kept_params(joint, budget) if budget > 0 else {}
@@ -223,8 +226,8 @@ def collective_order(gm: GraphModule) -> List[Tuple[str, int]]:
 
 def bind_to_traced_params(compiled: Callable, uncompiled: GraphModule, traced: Dict[int, torch.nn.Parameter],
                           runtime) -> Callable:
-    """A ZeRO-1/2 graph bakes each parameter's key into its reduce ops (and so does a ZeRO-3 graph that hands a
-    parameter back as it is, for that parameter's reduce), but dynamo guards a parameter input on its metadata only:
+    """A ZeRO-3 graph that hands a parameter back as it is bakes that parameter's ds_id into its reduce (the gradient
+    arrives as a backward input, with no stand-in to name it), but dynamo guards a parameter input on its metadata only:
     it reuses one compiled graph for every module instance of the same code (the blocks of a model whose top-level
     frame it skipped, or regional compilation). A call with
     the parameters the graph was traced with runs the compiled graph; a call with other parameters runs the dynamo
@@ -312,10 +315,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             on_failure(err)
             raise
         if runtime.stage != 3:  # ZeRO-1/2: each call announces the gradients its backward will hand over
-            grad_inputs = [i for i, key in enumerate(grad_keys) if key is not None]
-            compiled = count_grad_sources(compiled, runtime, grad_inputs)
-            traced = {i: runtime.params[grad_keys[i]] for i in grad_inputs}
-            return bind_to_traced_params(compiled, uncompiled, traced, runtime)
+            return count_grad_sources(compiled, runtime, [i for i, key in enumerate(grad_keys) if key is not None])
         if any(META_DS_ID not in node.meta for i, node in enumerate(placeholders(gm.graph)) if i in gathered):
             # a parameter handed back as it is: its gradient's reduce can only name the traced parameter
             traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}

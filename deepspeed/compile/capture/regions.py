@@ -32,13 +32,9 @@ def repeated_blocks(module: nn.Module) -> List[nn.Module]:
     return blocks
 
 
-def check(module: nn.Module, stage: int) -> None:
-    """Refuse ``regions='blocks'`` where it cannot serve (``ValueError`` naming the option), before anything changes:
-    a model without repeated blocks, and ZeRO stages 1 and 2, whose graphs still bake their parameters' keys (a
-    graph serving a second block would run uncompiled there, ``compiler.bind_to_traced_params``)."""
-    if stage != 3:
-        raise ValueError(f"compile.regions='blocks' is implemented for ZeRO stage 3 (this engine runs stage {stage}): "
-                         "use regions='model'")
+def check(module: nn.Module) -> None:
+    """Refuse ``regions='blocks'`` for a model without repeated blocks (``ValueError`` naming the option), before
+    anything changes. Any ZeRO stage serves: every graph op finds its parameter from the graph's inputs."""
     if not repeated_blocks(module):
         raise ValueError("compile.regions='blocks': the model has no repeated blocks (an nn.ModuleList of two or more "
                          "modules of one class) to compile one by one; use regions='model'")

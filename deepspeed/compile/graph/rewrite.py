@@ -138,6 +138,28 @@ def _numel(gather: Node) -> int:
     return size_hint(val.numel()) if isinstance(val, torch.Tensor) else 0
 
 
+def mark_param_grads_pass(joint: GraphModule, *, num_fwd_outputs: int, grad_inputs: List[int]) -> GraphModule:
+    """ZeRO-1/2 joint graph: the gradient of each primal in ``grad_inputs`` (a replicated trained parameter) becomes
+    ``param_grad(grad, primal)``, as a gathered parameter's does through the gather's autograd formula. The partition
+    then hands the parameter itself to backward (a reference, no copy) and its reduce names it there, so the graph
+    serves any module of the same code, each call on its own parameters."""
+    graph = joint.graph
+    primals = [n for n in placeholders(graph) if "tangents" not in n.name]
+    out_node = output_node(graph)
+    outputs = output_args(graph)
+    for i in grad_inputs:
+        grad = outputs[num_fwd_outputs + i]
+        if not isinstance(grad, Node):
+            continue
+        with graph.inserting_before(out_node):
+            marked = graph.call_function(PARAM_GRAD, (grad, primals[i]))
+        marked.meta.update(grad.meta)
+        outputs[num_fwd_outputs + i] = marked
+    out_node.args = (type(out_node.args[0])(outputs),)
+    joint.recompile()
+    return joint
+
+
 def insert_reduces_pass(gm: GraphModule, *, runtime_id: int, grad_ds_ids: List[Optional[int]]) -> GraphModule:
     """``grad_ds_ids[i]``: the ds_id (ZeRO-1/2: the runtime's key) whose gradient is backward output ``i`` (None
     for other inputs). A gathered parameter's gradient comes out of ``param_grad(grad, stand-in)`` (the gather's

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set
 
 import torch
-from deepspeed.utils import logger
 from torch import Tensor
 from torch.nn import Parameter
 
@@ -33,6 +32,7 @@ from . import registry
 @dataclass
 class Z12Counters:
     reduces: int = 0  # gradients handed to ZeRO from the graphs or eager code
+    eager_grads: int = 0  # of the gradients that came, those autograd accumulated from eager code (frames run as Python)
     reduce_bytes: int = 0  # bytes ZeRO's buckets reduced, in each gradient's communication dtype
     reduce_collectives: int = 0  # ZeRO bucket reductions
     reduce_wait_seconds: float = 0.0  # time inside ZeRO's bucket reductions (blocking collectives and copies)
@@ -67,7 +67,6 @@ class Z12Runtime:
         self._handed: Set[int] = set()  # keys handed to ZeRO in this backward
         self._eager_incoming: Set[int] = set()  # keys autograd is accumulating an eager gradient for
         self._backward_pending = False
-        self._warned_reuse = False
         self._own_hooks: List = []
         self._take_over_grad_hooks()
         self._count_bucket_reductions()
@@ -98,19 +97,24 @@ class Z12Runtime:
             key = self._key[id(args[i])]
             self._grad_sources[key] = self._grad_sources.get(key, 0) + 1
 
-    def prepare_uncompiled(self, params: List[Parameter]) -> None:
-        """A graph compiled for other parameters runs uncompiled on these (``capture/compiler.bind_to_traced_params``):
-        nothing to prepare, their gradients come through autograd and this runtime's eager hooks."""
-        if not self._warned_reuse:
-            self._warned_reuse = True
-            logger.warning("deepspeed-compile: dynamo reuses a graph compiled for one module's parameters for another "
-                           "instance of the same module (its top-level frame was skipped, or the model is compiled per "
-                           "block); those calls run uncompiled. Training stays correct.")
-
     # ----- gradients ------------------------------------------------------------------------------------
-    def reduce_op(self, grad: Tensor, key: int, param: Optional[Tensor]) -> None:
-        """The ``reduce_grad`` op: the graph is bound to the parameters it was traced with, so ``key`` names it."""
-        self.reduce(key, grad)
+    def reduce_op(self, grad: Tensor, traced_key: int, param: Optional[Tensor]) -> None:
+        """The ``reduce_grad`` op: the gradient of ``param``, the parameter the backward was handed (the graph may
+        serve another module of the code it was traced on, whose parameter ``traced_key`` names)."""
+        self.reduce(self.key_of(param), grad)
+
+    def key_of(self, param: Tensor) -> int:
+        """The key of a trained parameter, from the tensor a graph op is given: the parameter object itself, or
+        (should a backend hand over another wrapper of it) a tensor viewing the same memory."""
+        key = self._key.get(id(param))
+        if key is None:
+            address = param.data_ptr()
+            found = [k for k, p in self.params.items() if p.data_ptr() == address and p.shape == param.shape]
+            if len(found) != 1:
+                raise AssertionError("deepspeed-compile: a reduce op was given a tensor that is not a trained "
+                                     "parameter of this engine")
+            key = found[0]
+        return key
 
     def reduce(self, key: int, grad: Tensor) -> None:
         """A compiled backward produced parameter ``key``'s gradient: accumulate it into ``param.grad`` as
@@ -147,6 +151,7 @@ class Z12Runtime:
         if key not in self._eager_incoming:
             return
         self._eager_incoming.discard(key)
+        self.counters.eager_grads += 1
         if key in self._handed:
             self._second_gradient(key)
         self._arrived.add(key)

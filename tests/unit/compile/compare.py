@@ -96,14 +96,17 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
     compiled = make_engine(model, ds_config(stage, section, dtype, grad_accum, **config_kwargs))
     out = train_and_record(compiled, model, steps, grad_steps, compile_kwargs={"backend": backend})
     state = state_of(compiled, active_only=False)
-    names = {getattr(p, "ds_id", None): name for name, p in compiled.module.named_parameters()}
+    # what the graph ops name a parameter by: its ds_id (ZeRO-3) or the runtime's key (ZeRO-1/2)
+    names = ({p.ds_id: name for name, p in compiled.module.named_parameters()} if stage == 3
+             else {key: state.runtime._names[key] for key in state.runtime.params})
     out.update({"active": compiled.is_deepcompile_active(), "counters": vars(state.runtime.counters).copy(),
                 "saved": vars(state.stats.saved).copy(), "graphs": state.stats.graphs_compiled,
                 # a graph ran uncompiled on parameters other than those it was traced with (bind_to_traced_params)
-                "ran_uncompiled": state.runtime.eager._warned_reuse if stage == 3 else state.runtime._warned_reuse,
-                # ZeRO-3, per compiled graph (forward and backward): the parameters its collectives were traced with
-                "traced_params": [sorted({names[key] for _, key in order}) for order in state.stats.collective_orders]
-                if stage == 3 else None,
+                # (ZeRO-3 only: ZeRO-1/2 graphs find every parameter from their inputs; ``counters["eager_grads"]``
+                # counts their gradients from eager code)
+                "ran_uncompiled": state.runtime.eager._warned_reuse if stage == 3 else False,
+                # per compiled graph (forward and backward): the parameters its collectives were traced with
+                "traced_params": [sorted({names[key] for _, key in order}) for order in state.stats.collective_orders],
                 # coalesced runs the last step gathered (ZeRO-3, regions='blocks': the runtime's record of them)
                 "runs_per_step": len(getattr(state.runtime, "_runs_last_step", ()))})
     compiled.destroy()
