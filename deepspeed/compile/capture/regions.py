@@ -11,9 +11,10 @@ is compiled by the engine's own compile of the module where dynamo can, as separ
 loop dynamo cannot resume inside (it then runs that loop's frame as Python and compiles the frames it calls), and
 parameters read by Python there are gathered on access (``runtime/eager_access.py``).
 """
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
+from deepspeed.utils import logger
 from torch import nn
 
 _TRAMPOLINE = "_dsc_block_trampoline"  # marks a block forward installed here
@@ -40,9 +41,27 @@ def check(module: nn.Module) -> None:
                          "modules of one class) to compile one by one; use regions='model'")
 
 
+def kv_cache_warning(module: nn.Module) -> Optional[str]:
+    """Why a ``transformers`` model whose config keeps ``use_cache=True`` compiles badly block by block, or None.
+    Training with a KV cache (the config's default) hands every layer the cache and the layer updates its own entry
+    (``layer_idx``): dynamo guards on that entry's state, so it compiles the block once per layer, and the layers past
+    ``torch._dynamo.config.recompile_limit`` run uncompiled."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "use_cache", False) is True and hasattr(config, "num_hidden_layers"):
+            return (f"compile.regions='blocks': {type(sub).__name__}.config.use_cache is True. Training with a KV cache "
+                    "makes dynamo compile the block once per layer (each updates its own cache entry), and the layers "
+                    f"past torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) run "
+                    "uncompiled. Set model.config.use_cache = False for training (or pass use_cache=False).")
+    return None
+
+
 def install(module: nn.Module, backend: Callable) -> List[nn.Module]:
     """Compile the repeated blocks of ``module`` as graphs of their own (one compiled function per block class);
     returns the blocks (``check`` has accepted the module)."""
+    warning = kv_cache_warning(module)
+    if warning is not None:
+        logger.warning(f"deepspeed-compile: {warning}")
     blocks = repeated_blocks(module)
     compiled: Dict[type, Callable] = {}
     for block in blocks:

@@ -70,6 +70,22 @@ def test_regions_blocks_is_refused_where_it_cannot_serve():
     regions.check(make_model("gpt"))  # accepted at every ZeRO stage (test_zero12.py trains ZeRO-1/2 block by block)
 
 
+def test_regions_blocks_warns_of_a_transformers_kv_cache():
+    """A transformers model that keeps its config's use_cache=True compiles its block once per layer (each layer
+    updates its own cache entry, and dynamo guards on it): blocks mode says so, and how to avoid it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from deepspeed.compile.capture import regions
+    from models import make_model
+
+    def llama(use_cache):
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, use_cache=use_cache))
+
+    assert "use_cache = False" in regions.kv_cache_warning(llama(True))
+    assert regions.kv_cache_warning(llama(False)) is None
+    assert regions.kv_cache_warning(make_model("gpt")) is None
+
+
 # ----- 2 ranks ---------------------------------------------------------------------------------------------
 
 def _train_zero3_deepcompile():
