@@ -101,21 +101,25 @@ _ALLOCATING = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::
 
 
 def _allocated_by(ev) -> str:
-    """What an allocation was made for: the innermost op above it that is not a bare allocation, and the nearest
-    enclosing call that is not an aten op (an autograd node, a compiled graph, a graph op, a benchmark mark)."""
-    op, allocation, where = None, None, None
+    """What an allocation was made for: the innermost op above it that is not a bare allocation, the nearest
+    enclosing call that is not an aten op (an autograd node, a compiled graph, a graph op), and the innermost
+    benchmark mark (``forward``, ``backward``...) it happened in."""
+    op, allocation, where, phase = None, None, None, None
     parent = ev.parent
-    while parent is not None and where is None:
+    while parent is not None and phase is None:
         name = parent.name
-        if op is None and name in _ALLOCATING:
+        if name.startswith(MARK_PREFIX):
+            phase = name[len(MARK_PREFIX):]
+        elif op is None and name in _ALLOCATING:
             allocation = name  # an op that only allocates: named if no op above it does more
         elif op is None and name.startswith("aten::"):
             op = name
-        elif not name.startswith("aten::"):
+        elif where is None and not name.startswith("aten::"):
             where = name
         parent = parent.parent
     op = op or allocation or "?"
-    return f"{op} < {where}" if where else op
+    label = f"{op} < {where}" if where else op
+    return f"{label} [{phase}]" if phase else label
 
 
 def _walk(events) -> Iterator:

@@ -102,7 +102,7 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
     compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure)
     if compile_config.regions == "blocks":
         from .capture import regions
-        regions.install(engine.module, compile_graph)
+        regions.install(engine.module, compile_graph, stage)
     return compile_graph
 
 

@@ -197,7 +197,14 @@ class GraphCompiler:
         if self.backend == "eager":
             return boxed_eager(gm)
         from torch._inductor.compile_fx import compile_fx_inner
-        return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
+        if not (is_backward and any(is_reduce(n) and n.args[3] is not None for n in gm.graph.nodes)):
+            return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
+        # A reduce's parameter input is a handle: the runtime finds the parameter from its storage (``param_of``). A
+        # parameter also read by eager code in the step (a tied weight a Python frame uses) holds its gathered data
+        # from that read until backward ends, so the handle arrives with the gathered tensor's strides, not the
+        # stand-in's it was traced with; inductor's input asserts would reject it. Nothing in the graph reads it.
+        with torch._inductor.config.patch(size_asserts=False):
+            return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
 
 
 def boxed_eager(gm: GraphModule) -> Callable:

@@ -8,8 +8,10 @@ dynamo guards a module's parameters on their metadata, so the graph compiled for
 (the graph ops find their parameters from the graph inputs, ``runtime/ops.py``): the backend lowers and generates code
 for one block instead of the whole model. What the model does outside its blocks (embedding, final norm, head, loss)
 is compiled by the engine's own compile of the module where dynamo can, as separate frames when the blocks sit in a
-loop dynamo cannot resume inside (it then runs that loop's frame as Python and compiles the frames it calls), and
-parameters read by Python there are gathered on access (``runtime/eager_access.py``).
+loop dynamo cannot resume inside (it then runs that loop's frame as Python and compiles the frames it calls). The
+parameter-owning leaf modules outside the blocks (embedding, final norm, head) are compiled as regions of their own
+too at ZeRO stage 3, since dynamo never starts a frame inside ``torch.nn``; only parameters that the Python frame
+reads itself are gathered on access (``runtime/eager_access.py``).
 """
 from typing import Callable, Dict, List, Optional
 
@@ -56,20 +58,39 @@ def kv_cache_warning(module: nn.Module) -> Optional[str]:
     return None
 
 
-def install(module: nn.Module, backend: Callable) -> List[nn.Module]:
-    """Compile the repeated blocks of ``module`` as graphs of their own (one compiled function per block class);
-    returns the blocks (``check`` has accepted the module)."""
+def install(module: nn.Module, backend: Callable, stage: int) -> List[nn.Module]:
+    """Compile the repeated blocks of ``module`` as graphs of their own (one compiled function per block class), and
+    at ZeRO stage 3 the parameter-owning modules outside them as regions of their own (:func:`outer_leaves`); returns
+    the blocks (``check`` has accepted the module)."""
     warning = kv_cache_warning(module)
     if warning is not None:
         logger.warning(f"deepspeed-compile: {warning}")
     blocks = repeated_blocks(module)
     compiled: Dict[type, Callable] = {}
-    for block in blocks:
-        cls = type(block)
+
+    def compiled_forward(cls: type) -> Callable:
         if cls not in compiled:
             compiled[cls] = torch.compile(cls.forward, backend=backend)
-        block.forward = _trampoline(compiled[cls], block)
+        return compiled[cls]
+
+    for block in blocks:
+        block.forward = _trampoline(compiled_forward(type(block)), block)
+    for leaf in outer_leaves(module, blocks) if stage == 3 else ():
+        leaf.forward = _compiled_leaf(compiled_forward(type(leaf)), leaf)
     return blocks
+
+
+def outer_leaves(module: nn.Module, blocks: List[nn.Module]) -> List[nn.Module]:
+    """Modules outside the blocks with parameters and no submodules (an embedding, a final norm, a head). The model's
+    own frame often runs as Python (dynamo cannot resume the loop over the blocks), and dynamo never starts a frame
+    inside ``torch.nn`` itself: an ``nn.Embedding`` called from there would read its weight eagerly, gathered on
+    access and held until backward ends (``runtime/eager_access.py``). Compiled as regions of their own they gather
+    in the graph and release after use. ZeRO-1/2 parameters are replicated, nothing to gather: there a weight tied
+    between such a region and Python code (a head computed with the embedding's weight) would get its compiled
+    gradient reduced before its eager one arrives, which ZeRO-2 cannot take (``runtime/z12.py``)."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return [m for m in module.modules()
+            if id(m) not in inside and not m._modules and any(True for _ in m.parameters(recurse=False))]
 
 
 def uninstall(module: nn.Module) -> None:
@@ -77,6 +98,16 @@ def uninstall(module: nn.Module) -> None:
     for block in module.modules():
         if getattr(block.__dict__.get("forward"), _TRAMPOLINE, False):
             del block.forward
+
+
+def _compiled_leaf(compiled: Callable, leaf: nn.Module) -> Callable:
+    # not disabled: a caller dynamo traces inlines the module as before (a nested compiled function is traced
+    # through); called from Python, it runs as a compiled region of its own
+    def forward(*args, **kwargs):
+        return compiled(leaf, *args, **kwargs)
+
+    setattr(forward, _TRAMPOLINE, True)
+    return forward
 
 
 def _trampoline(compiled: Callable, block: nn.Module) -> Callable:

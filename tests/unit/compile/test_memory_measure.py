@@ -49,8 +49,9 @@ def test_live_at_peak_names_what_allocated_each_block():
             product = summed * 2
             del summed, big, product
     step = step_peak(result["timeline"], "step")
-    found = {label.split(" <")[0]: (size, count) for label, size, count in live_at_peak(result["timeline"], "step")}
+    found = {label.split()[0]: (size, count) for label, size, count in live_at_peak(result["timeline"], "step")}
     assert found == {"aten::add": (1 * MiB, 1), "aten::zeros": (2 * MiB, 1), "aten::cos": (2 * MiB, 1)}, found
+    assert all(label.endswith("[step]") for label, _, _ in live_at_peak(result["timeline"], "step"))
     assert abs(step.peak_bytes - (5 - 1) * MiB) <= PAGE_BYTES  # above the step's start, which held `keep`
 
 

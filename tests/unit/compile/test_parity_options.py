@@ -54,6 +54,10 @@ def test_fp32_option_matches_eager_zero3(results, option):
         for out in results:
             r = out[option]
             assert_one_graph_serves_both_blocks(r)
+            # outside the blocks only what the model's own frame reads as Python is gathered on access, once a step:
+            # the position table and the tied embedding weight of its output head. The embedding lookup and the final
+            # norm run as compiled regions of their own (4 gathers a step before they did)
+            assert r["counters"]["eager_gathers"] == 2 * STEPS, r["counters"]
             # from the second step on every run but the step's first was started ahead, across the block graphs
             # too (each graph's first run waits for its collective otherwise)
             runs = r["runs_per_step"]
