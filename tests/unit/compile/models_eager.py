@@ -27,6 +27,16 @@ def gpt2(seed: int = 0, break_in_block_hooks: bool = False) -> nn.Module:
     return model
 
 
+def llama(seed: int = 0) -> nn.Module:
+    """``transformers`` Llama (2 layers, grouped-query attention), trained without a KV cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="eager", use_cache=False)
+    return LlamaForCausalLM(config)
+
+
 def _graph_break_hook(module, args):
     torch._dynamo.graph_break()
 
@@ -87,6 +97,8 @@ def make(name: str, seed: int = 0) -> nn.Module:
         return gpt2(seed)
     if name == "gpt2_hooks":
         return gpt2(seed, break_in_block_hooks=True)
+    if name == "llama":
+        return llama(seed)
     torch.manual_seed(seed)
     return EagerPieces(name)
 
