@@ -120,11 +120,12 @@ def _llama_first_gradients():
 
 
 def test_transformers_llama_gradients_are_plain_autograds():
-    """On a ``transformers`` Llama, eager ZeRO-3's own module hooks change the attention's backward in the last bits
-    (its gradients differ from eager ZeRO-2's by round-off, about 1e-8 absolute), so the exact reference is eager
-    ZeRO-2, which computes with plain autograd on replicated parameters and reduces over 2 ranks as exactly (a sum of
-    two, halved): DeepCompile ZeRO-3, whole model and block by block, gives its gradients bitwise. Against eager
-    ZeRO-3 they agree to round-off (relative 1e-5 of each gradient's largest element)."""
+    """On a ``transformers`` Llama, eager ZeRO-3 departs from plain autograd in the last bits of the layers' attention
+    backward (its gradients differ from eager ZeRO-2's by round-off, about 1e-8 absolute; its module hooks around
+    the attention are the likely cause, not traced further), so the exact reference is eager ZeRO-2, which computes
+    with plain autograd on replicated parameters and reduces over 2 ranks exactly (a sum of two, halved): DeepCompile
+    ZeRO-3, whole model and block by block, gives its gradients bitwise. Against eager ZeRO-3 they agree to
+    round-off (1e-5 of each gradient's largest element)."""
     import torch
     from compare import unequal
     for r in run_distributed(_llama_first_gradients, timeout_s=400):
