@@ -39,7 +39,7 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
     }
     if state.stage != 3:
         report["eager_grads"] = c.eager_grads
-    if state.stage == 3:
+    else:
         report.update({
             "gather_path": runtime.gather_path,
             "gather_seconds": c.gather_seconds,

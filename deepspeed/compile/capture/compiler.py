@@ -9,6 +9,7 @@ Per dynamo graph (one per graph break) a :class:`GraphCompiler` runs, in order:
 The compiler owns what compiling tells about the graphs (:class:`CompileStats`, one per engine); the runtime it
 compiles for owns communication and buffers only.
 """
+import contextlib
 import copy
 import functools
 import logging
@@ -24,7 +25,7 @@ from torch.fx import GraphModule
 from ..config import CompileConfig
 from ..graph import rewrite
 from . import cache
-from ..graph.nodes import META_DS_ID, is_gather, is_reduce, placeholders
+from ..graph.nodes import META_DS_ID, is_gather, is_reduce, joint_primals, placeholders
 from ..runtime.ops import PLAIN_CALLS
 from ..graph.recompute import choose_kept_params, tag_param_aliases_pass
 from ..graph.runner import run_passes
@@ -90,7 +91,7 @@ class GraphCompiler:
         (``capture/cache.Partitioner``), after inductor's own joint-graph passes (pattern rewrites, no-op removal)
         as plain torch.compile runs them: without them the partition saves more for backward than torch.compile's."""
         kwargs.pop("compiler", None)  # inductor names itself; both partitions below compile for any backend
-        primals = [n for n in placeholders(joint.graph) if "tangents" not in n.name]
+        primals = joint_primals(joint.graph)
         if len(primals) != len(self.param_ds_ids):
             raise AssertionError(f"joint graph has {len(primals)} primals for {len(self.param_ds_ids)} inputs")
         for node, ds_id in zip(primals, self.param_ds_ids):
@@ -197,13 +198,12 @@ class GraphCompiler:
         if self.backend == "eager":
             return boxed_eager(gm)
         from torch._inductor.compile_fx import compile_fx_inner
-        if not (is_backward and any(is_reduce(n) and n.args[3] is not None for n in gm.graph.nodes)):
-            return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
         # A reduce's parameter input is a handle: the runtime finds the parameter from its storage (``param_of``). A
         # parameter also read by eager code in the step (a tied weight a Python frame uses) holds its gathered data
         # from that read until backward ends, so the handle arrives with the gathered tensor's strides, not the
         # stand-in's it was traced with; inductor's input asserts would reject it. Nothing in the graph reads it.
-        with torch._inductor.config.patch(size_asserts=False):
+        handles = is_backward and any(is_reduce(n) and n.args[3] is not None for n in gm.graph.nodes)
+        with torch._inductor.config.patch(size_asserts=False) if handles else contextlib.nullcontext():
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
 
 

@@ -215,6 +215,11 @@ def placeholders(graph: Graph) -> List[Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
+def joint_primals(graph: Graph) -> List[Node]:
+    """A joint graph's inputs that are the forward's inputs (AOTAutograd names the others ``tangents_*``)."""
+    return [n for n in placeholders(graph) if "tangents" not in n.name]
+
+
 def param_primals(graph: Graph) -> Set[Node]:
     """Graph inputs that are ZeRO-3 parameters (marked with their ``ds_id``)."""
     return {n for n in placeholders(graph) if META_DS_ID in n.meta}

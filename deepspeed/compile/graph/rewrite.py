@@ -17,8 +17,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..runtime.ops import GATHER, PARAM_GRAD, RELEASE, REDUCE, encode_plan
-from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, is_reduce,
-                    is_release, output_args, output_node, placeholders, reader_outputs, set_gather_args, size_hint)
+from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, is_reduce, is_release,
+                    joint_primals, output_args, output_node, placeholders, reader_outputs, set_gather_args, size_hint)
 
 # Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
 META_ESCAPED_DS_ID = "dsc_escaped_ds_id"
@@ -144,7 +144,7 @@ def mark_param_grads_pass(joint: GraphModule, *, num_fwd_outputs: int, grad_inpu
     then hands the parameter itself to backward (a reference, no copy) and its reduce names it there, so the graph
     serves any module of the same code, each call on its own parameters."""
     graph = joint.graph
-    primals = [n for n in placeholders(graph) if "tangents" not in n.name]
+    primals = joint_primals(graph)
     out_node = output_node(graph)
     outputs = output_args(graph)
     for i in grad_inputs:

@@ -104,16 +104,12 @@ class Z12Runtime:
         self.reduce(self.key_of(param), grad)
 
     def key_of(self, param: Tensor) -> int:
-        """The key of a trained parameter, from the tensor a graph op is given: the parameter object itself, or
-        (should a backend hand over another wrapper of it) a tensor viewing the same memory."""
+        """The key of a trained parameter, from the tensor a graph op is given: the parameter object itself (the
+        backward is handed the graph input, which is the parameter; both backends pass it through as it is)."""
         key = self._key.get(id(param))
         if key is None:
-            address = param.data_ptr()
-            found = [k for k, p in self.params.items() if p.data_ptr() == address and p.shape == param.shape]
-            if len(found) != 1:
-                raise AssertionError("deepspeed-compile: a reduce op was given a tensor that is not a trained "
-                                     "parameter of this engine")
-            key = found[0]
+            raise AssertionError("deepspeed-compile: a reduce op was given a tensor that is not a trained parameter of "
+                                 f"this engine ({type(param).__name__}, shape {tuple(param.shape)})")
         return key
 
     def reduce(self, key: int, grad: Tensor) -> None:
