@@ -2,6 +2,7 @@
 
     python benchmarks/run.py                                  # default matrix, small GPT, 2 CPU ranks
     python benchmarks/run.py --model llama --rows zero3,ours-mincut --dtypes fp32 --backends eager,inductor
+    python benchmarks/run.py --model llama --size large --rows zero3,ours-mincut,local --dtypes fp32 --rounds 3
 
 Each configuration runs in a fresh 2-rank launch (``torch.distributed.run --standalone``) on the same model,
 data and seeds (``benchmarks/worker.py``). Prints a Markdown table, writes ``results_<model>.json`` and the
@@ -10,13 +11,19 @@ ZeRO-3 of that dtype (or the first row if it was not run); a mismatch is reporte
 status non-zero, as does a crash of any configuration but the stock baseline ``zero3+compile`` (plain
 torch.compile of a ZeRO-3 model, which stock DeepSpeed 0.19.8 cannot trace for models that call F.linear on a
 tied weight: its crash is shown in the table as ERROR and does not fail the run).
+
+Step times on a shared machine drift by 10-25% between launches. ``--rounds N`` runs the whole matrix N times,
+interleaved (round k starts k configurations further on, so none always runs first or after the same one): a
+configuration's step time is then the median of its N per-launch medians, and each ratio under the table is given
+per round as well (rounds are paired: the configurations of one round ran minutes apart).
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -46,9 +53,11 @@ def matrix(rows: List[str], dtypes: List[str], backends: List[str]) -> List[Tupl
     return out
 
 
-def run_config(args: argparse.Namespace, row: str, backend: str, dtype: str) -> Dict[str, Any]:
+def run_config(args: argparse.Namespace, row: str, backend: str, dtype: str, round_index: int = 0) -> Dict[str, Any]:
     """Launch one configuration on ``--nproc`` ranks; the result dict, or an error record."""
     stem = file_stem({"model": args.model, "dtype": dtype, "row": row, "backend": backend})
+    if args.rounds > 1:
+        stem += f"-round{round_index + 1}"
     out_json = os.path.join(args.out, "runs", f"{stem}.json")
     log_path = os.path.join(args.out, "runs", f"{stem}.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
@@ -91,24 +100,34 @@ def run_config(args: argparse.Namespace, row: str, backend: str, dtype: str) -> 
 
 
 def check_losses(results: List[Dict[str, Any]]) -> None:
-    """Set ``loss_check`` on every result: ok / FAILED against the dtype's reference row."""
+    """Set ``loss_check`` on every result: ok / FAILED against the dtype's reference row (n/a for ``local``, whose
+    ranks never average their gradients)."""
     for dtype in DTYPES:
         group = [r for r in results if r["dtype"] == dtype and "error" not in r]
-        if not group:
-            continue
-        ref = next((r for r in group if r["row"] == "zero3"), group[0])
+        checked = [r for r in group if r["row"] != "local"]
         for r in group:
+            r["speedup_vs_zero3"] = _speedup(r, group)
+            if r["row"] == "local":
+                r["loss_check"] = "n/a"
+        if not checked:
+            continue
+        ref = next((r for r in checked if r["row"] == "zero3"), checked[0])
+        for r in checked:
             rel = abs(r["final_loss"] - ref["final_loss"]) / max(abs(ref["final_loss"]), 1e-12)
             r["loss_rel_diff"] = rel
             r["loss_ref"] = config_name(ref)
             r["loss_check"] = "ok" if rel <= LOSS_RTOL[dtype] else "FAILED"
-            base = [x for x in group if x["row"] == "zero3"]
-            r["speedup_vs_zero3"] = base[0]["median_step_s"] / r["median_step_s"] if base else None
 
 
-# each DeepCompile row against the rows it must beat: (row, baseline)
+def _speedup(r: Dict[str, Any], group: List[Dict[str, Any]]) -> Optional[float]:
+    base = [x for x in group if x["row"] == "zero3"]
+    return base[0]["median_step_s"] / r["median_step_s"] if base else None
+
+
+# each DeepCompile row against the rows it must beat, and the compute floor against the eager baselines:
+# (row, baseline)
 BASELINES = (("ours-mincut", "zero3"), ("ours-mincut", "fsdp2"), ("ours-zero1", "zero1"), ("ours-zero2", "zero2"),
-             ("ours-zero2", "zero2+compile"))
+             ("ours-zero2", "zero2+compile"), ("local", "zero3"), ("local", "zero2"))
 
 
 def ratios(results: List[Dict[str, Any]]) -> str:
@@ -124,8 +143,32 @@ def ratios(results: List[Dict[str, Any]]) -> str:
                     peak = ("n/a" if not r["peak_above_start_bytes"] or not b["peak_above_start_bytes"]
                             else f"{r['peak_above_start_bytes'] / b['peak_above_start_bytes']:.2f}x")
                     lines.append(f"- {r['dtype']}, {config_name(r)} / {config_name(b)}: step "
-                                 f"{r['median_step_s'] / b['median_step_s']:.2f}x, peak above start {peak}")
+                                 f"{r['median_step_s'] / b['median_step_s']:.2f}x{_per_round(r, b)}, "
+                                 f"peak above start {peak}")
     return "\n".join(lines)
+
+
+def _per_round(r: Dict[str, Any], b: Dict[str, Any]) -> str:
+    """The step ratio of each round (paired launches), with several rounds."""
+    mine, theirs = r.get("round_medians_s", []), b.get("round_medians_s", [])
+    if len(mine) < 2 or len(mine) != len(theirs):
+        return ""
+    per = [m / t for m, t in zip(mine, theirs)]
+    return f" (rounds: {', '.join(f'{x:.2f}' for x in per)}; median of rounds {statistics.median(per):.2f}x)"
+
+
+def merge_rounds(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One configuration's launches, one per round, as one result: the first round's record (memory, counts, loss:
+    the same every launch), its step time the median of the rounds' medians. A failed round makes it an error."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    merged = dict(runs[0])
+    if len(runs) > 1:
+        merged["round_medians_s"] = [r["median_step_s"] for r in runs]
+        merged["median_step_s"] = statistics.median(merged["round_medians_s"])
+        merged["round_final_losses"] = [r["final_loss"] for r in runs]
+    return merged
 
 
 def _mib(value: Optional[float]) -> str:
@@ -145,8 +188,10 @@ def table(results: List[Dict[str, Any]]) -> str:
         saved_mark = "" if r.get("saved_source") == "engine_report" else "*"
         comm_mark = "" if r.get("comm_source") == "engine_report" else "†"
         check = r.get("loss_check", "n/a")
-        check = f"**FAILED** ({r['loss_rel_diff']:.1e} vs {r['loss_ref']})" if check == "FAILED" else \
-            f"ok ({r.get('loss_rel_diff', 0):.0e})"
+        if check == "FAILED":
+            check = f"**FAILED** ({r['loss_rel_diff']:.1e} vs {r['loss_ref']})"
+        elif check == "ok":
+            check = f"ok ({r.get('loss_rel_diff', 0):.0e})"
         lines.append(
             f"| {r['dtype']} | {config_name(r)} | {r['median_step_s']:.3f} | {speed} | {r['first_step_s']:.2f} | "
             f"{_mib(r['peak_above_start_bytes'])} | {_mib(r['peak_bytes'])} | "
@@ -168,6 +213,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="gpt", choices=("gpt", "llama"))
     p.add_argument("--size", default="small", choices=("small", "large"))
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole matrix this many times, interleaved; step time = median of the rounds' medians")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")
     p.add_argument("--nproc", type=int, default=2, help="ranks per configuration")
     add_setting_args(p)
@@ -184,6 +231,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--cold-compile", action="store_true",
                    help="a fresh, empty inductor cache for every configuration (fair first-step compile times)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds: must be at least 1, got {args.rounds}")
     for name, allowed in (("rows", ROWS), ("dtypes", DTYPES), ("backends", ("eager", "inductor"))):
         values = [v for v in getattr(args, name).split(",") if v]
         bad = [v for v in values if v not in allowed]
@@ -212,17 +261,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     configs = matrix(args.rows, args.dtypes, args.backends)
     t0 = time.perf_counter()
-    results = []
-    for i, (row, backend, dtype) in enumerate(configs):
-        print(f"[{i + 1}/{len(configs)}] {dtype} {row}{'' if backend == '-' else f'[{backend}]'} ...",
-              end="" if not args.progress else "\n", flush=True)
-        r = run_config(args, row, backend, dtype)
-        results.append(r)
-        status = r["error"] if "error" in r else f"median {r['median_step_s']:.3f} s, loss {r['final_loss']:.5f}"
-        print(f" {status} ({r['wall_s']:.0f} s wall)", flush=True)
+    runs: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = {config: [] for config in configs}
+    done, total = 0, len(configs) * args.rounds
+    for k in range(args.rounds):
+        shift = k % len(configs)
+        for row, backend, dtype in configs[shift:] + configs[:shift]:
+            done += 1
+            where = f"round {k + 1}, " if args.rounds > 1 else ""
+            print(f"[{done}/{total}] {where}{dtype} {row}{'' if backend == '-' else f'[{backend}]'} ...",
+                  end="" if not args.progress else "\n", flush=True)
+            r = run_config(args, row, backend, dtype, k)
+            runs[(row, backend, dtype)].append(r)
+            status = r["error"] if "error" in r else f"median {r['median_step_s']:.3f} s, loss {r['final_loss']:.5f}"
+            print(f" {status} ({r['wall_s']:.0f} s wall)", flush=True)
+    results = [merge_rounds(runs[config]) for config in configs]
     check_losses(results)
     print()
-    print(f"## {args.model} ({args.size}), {args.nproc} CPU ranks, {args.steps} timed steps\n")
+    rounds = f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
+    print(f"## {args.model} ({args.size}), {args.nproc} CPU ranks, {args.steps} timed steps{rounds}\n")
     print(table(results))
     if ratios(results):
         print(f"\nRatios (median step, peak above step start):\n{ratios(results)}")

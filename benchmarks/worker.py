@@ -36,8 +36,8 @@ from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_c
 from benchmarks.saved import saved_bytes  # noqa: E402
 
 ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-blocks", "ours-default", "fsdp2",
-        "fsdp2+compile", "zero1", "ours-zero1", "zero2", "zero2+compile", "ours-zero2")
-EAGER_ROWS = ("zero3", "zero1", "zero2", "fsdp2")  # rows that compile nothing
+        "fsdp2+compile", "zero1", "ours-zero1", "zero2", "zero2+compile", "ours-zero2", "local")
+EAGER_ROWS = ("zero3", "zero1", "zero2", "fsdp2", "local")  # rows that compile nothing
 DTYPES = ("fp32", "bf16", "autocast")
 LR = 1e-3
 CLIP = 1.0  # DeepSpeed 0.19.8 clips at norm 1.0 by default; FSDP2 is clipped the same way
@@ -127,6 +127,36 @@ def build_fsdp2(args: argparse.Namespace, model: torch.nn.Module) -> Step:
     return (forward, lambda loss: loss.backward(), step)
 
 
+def build_local(args: argparse.Namespace, model: torch.nn.Module) -> Step:
+    """The compute floor: every rank trains a full replica of the model on its own batch, with no collective at all,
+    and steps AdamW over its own share of the parameters (half of them by size on 2 ranks, as a ZeRO rank's optimizer
+    steps its partition). The arithmetic each rank does in a sharded step, without sharding's communication, copies
+    and bookkeeping: no sharded configuration can be faster with the same kernels. Its losses are not averaged
+    across ranks, so they are not checked against the others'."""
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)  # bf16 compute and optimizer state (a floor: no fp32 master weights)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loads = [0] * world
+    mine = []
+    for p in sorted(model.parameters(), key=lambda p: -p.numel()):  # largest first, each to the least loaded rank
+        owner = loads.index(min(loads))
+        loads[owner] += p.numel()
+        if owner == rank:
+            mine.append(p)
+    optimizer = torch.optim.AdamW(mine, lr=LR)
+
+    def forward(batch: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "autocast"):
+            return model(*batch)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+
+    return (forward, lambda loss: loss.backward(), step)
+
+
 def train_step(fns: Step, batch: Tuple[torch.Tensor, ...], walk: bool = False) -> Tuple[float, Optional[Tuple]]:
     forward, backward, optimizer_step = fns
     saved = None
@@ -166,6 +196,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     engine = None
     if args.row.startswith("fsdp2"):
         fns = build_fsdp2(args, model)
+    elif args.row == "local":
+        fns = build_local(args, model)
     else:
         fns, engine = build_deepspeed(args, model)
     ours_row = args.row.startswith("ours-")
