@@ -1,7 +1,7 @@
 """The benchmark's CPU tensor-memory measurement: known allocations give the known peak (single process).
 
-A test of benchmark code, so the one place where the tests import from ``benchmarks/`` (nothing else under
-``tests/`` does, and nothing under ``benchmarks/`` imports from ``tests/``).
+A test of benchmark code, so one of the two places where the tests import from ``benchmarks/`` (with
+``test_benchmark_rounds.py``; nothing under ``benchmarks/`` imports from ``tests/``).
 """
 import sys
 import threading

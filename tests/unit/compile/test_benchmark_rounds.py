@@ -1,0 +1,56 @@
+"""The benchmark's statistics over interleaved rounds (``benchmarks/run.py --rounds``), on made-up results
+(single process, no launch). Like ``test_memory_measure.py``, a test of benchmark code importing ``benchmarks/``.
+"""
+import sys
+
+import pytest
+
+from checkout import REPO_ROOT
+
+sys.path.insert(0, REPO_ROOT)
+from benchmarks.run import _per_round, check_losses, merge_rounds, parse_args  # noqa: E402
+
+
+def _result(row: str, median: float, loss: float = 7.0, dtype: str = "fp32") -> dict:
+    return {"row": row, "backend": "-" if row in ("zero3", "local") else "eager", "dtype": dtype,
+            "median_step_s": median, "final_loss": loss, "peak_above_start_bytes": 1 << 20}
+
+
+def test_merged_step_is_the_median_of_the_rounds_and_the_rest_is_the_first_round():
+    runs = [_result("zero3", m) for m in (0.9, 0.5, 0.6)]
+    runs[0]["peak_above_start_bytes"] = 123
+    merged = merge_rounds(runs)
+    assert merged["median_step_s"] == 0.6
+    assert merged["round_medians_s"] == [0.9, 0.5, 0.6]
+    assert merged["peak_above_start_bytes"] == 123
+    assert merge_rounds(runs[:1]) == runs[0]  # one round: the launch's own record
+    failed = {"row": "zero3", "error": "exit 1"}
+    assert merge_rounds([runs[0], failed]) is failed  # a failed round fails the configuration
+
+
+def test_ratio_per_round_pairs_the_launches_of_one_round():
+    ours = merge_rounds([_result("ours-mincut", m) for m in (0.4, 0.9, 0.5)])
+    base = merge_rounds([_result("zero3", m) for m in (0.5, 1.0, 0.4)])
+    text = _per_round(ours, base)
+    assert "rounds: 0.80, 0.90, 1.25" in text
+    assert "median of rounds 0.90x" in text
+    assert _per_round(merge_rounds([_result("zero3", 0.5)]), base) == ""  # one round: no per-round column
+
+
+def test_the_local_floor_is_not_loss_checked_nor_the_reference():
+    results = [_result("local", 0.2, loss=3.0), _result("zero3", 0.5), _result("ours-mincut", 0.4, loss=7.0 + 1e-9)]
+    check_losses(results)
+    local, zero3, ours = results
+    assert local["loss_check"] == "n/a"
+    assert zero3["loss_check"] == ours["loss_check"] == "ok"
+    assert ours["loss_ref"] == "zero3"
+    assert local["speedup_vs_zero3"] == pytest.approx(2.5)
+    results = [_result("local", 0.2, loss=3.0), _result("ours-mincut", 0.4, loss=7.0), _result("fsdp2", 0.4, loss=9.0)]
+    check_losses(results)  # without zero3 the first checked row is the reference, never the floor
+    assert results[1]["loss_check"] == "ok" and results[2]["loss_check"] == "FAILED"
+
+
+def test_rounds_below_one_are_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
+    assert "--rounds" in capsys.readouterr().err
