@@ -168,7 +168,26 @@ def merge_rounds(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         merged["round_medians_s"] = [r["median_step_s"] for r in runs]
         merged["median_step_s"] = statistics.median(merged["round_medians_s"])
         merged["round_final_losses"] = [r["final_loss"] for r in runs]
+        for key in ("phase_medians_s", "wait_per_step_s"):
+            if all(key in r for r in runs):
+                merged[key] = {part: statistics.median(r[key][part] for r in runs) for part in runs[0][key]}
     return merged
+
+
+def phase_table(results: List[Dict[str, Any]]) -> str:
+    """Where each configuration's step goes: rank 0's median forward, backward and optimizer seconds, and for
+    DeepCompile rows the seconds per step spent waiting on gathers and on gradient reductions (inside those phases)."""
+    rows = [r for r in results if "error" not in r and "phase_medians_s" in r]
+    if not rows:
+        return ""
+    lines = ["| dtype | configuration | step (s) | forward (s) | backward (s) | optimizer (s) | gather wait (s) | "
+             "reduce wait (s) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, w = r["phase_medians_s"], r.get("wait_per_step_s")
+        waits = f"{w['gather']:.3f} | {w['reduce']:.3f}" if w else "- | -"
+        lines.append(f"| {r['dtype']} | {config_name(r)} | {r['median_step_s']:.3f} | {p['forward']:.3f} | "
+                     f"{p['backward']:.3f} | {p['optimizer']:.3f} | {waits} |")
+    return "\n".join(lines)
 
 
 def _mib(value: Optional[float]) -> str:
@@ -280,6 +299,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     rounds = f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
     print(f"## {args.model} ({args.size}), {args.nproc} CPU ranks, {args.steps} timed steps{rounds}\n")
     print(table(results))
+    if phase_table(results):
+        print(f"\nWhere the step goes (median seconds per phase; waits per step, inside the phases):\n\n"
+              f"{phase_table(results)}")
     if ratios(results):
         print(f"\nRatios (median step, peak above step start):\n{ratios(results)}")
     if args.compile_profile:

@@ -157,18 +157,34 @@ def build_local(args: argparse.Namespace, model: torch.nn.Module) -> Step:
     return (forward, lambda loss: loss.backward(), step)
 
 
-def train_step(fns: Step, batch: Tuple[torch.Tensor, ...], walk: bool = False) -> Tuple[float, Optional[Tuple]]:
+PHASES = ("forward", "backward", "optimizer")
+
+
+def train_step(fns: Step, batch: Tuple[torch.Tensor, ...], walk: bool = False,
+               phase_times: Optional[Dict[str, List[float]]] = None) -> Tuple[float, Optional[Tuple]]:
+    """One step; with ``phase_times``, each phase's seconds are appended to its list."""
     forward, backward, optimizer_step = fns
     saved = None
+    clock = [time.perf_counter()]
+
+    def lap(phase: str) -> None:
+        clock.append(time.perf_counter())
+        if phase_times is not None:
+            phase_times[phase].append(clock[-1] - clock[-2])
+
     with mark("step"):
         with mark("forward"):
             loss = forward(batch)
+        lap("forward")
         if walk:
             saved = saved_bytes(loss)
+            clock[-1] = time.perf_counter()
         with mark("backward"):
             backward(loss)
+        lap("backward")
         with mark("optimizer"):
             optimizer_step()
+        lap("optimizer")
     return loss.item(), saved
 
 
@@ -205,10 +221,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         from deepspeed.compile import report
     batches = [make_batch(args.size, i, rank) for i in range(1 + args.warmup + args.steps + 2)]
     losses, times = [], []
+    phase_times: Dict[str, List[float]] = {phase: [] for phase in PHASES}  # the timed steps'
 
-    def timed(i: int, walk: bool = False) -> Optional[Tuple]:
+    def timed(i: int, walk: bool = False, phases: bool = False) -> Optional[Tuple]:
         t0 = time.perf_counter()
-        loss, saved = train_step(fns, batches[i], walk)
+        loss, saved = train_step(fns, batches[i], walk, phase_times if phases else None)
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         if args.progress and rank == 0:
@@ -224,7 +241,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         report.reset_counters(engine)
     with count_collectives() as counts:
         for i in range(1 + args.warmup, 1 + args.warmup + args.steps):
-            timed(i)
+            timed(i, phases=True)
     ours = report.engine_report(engine) if ours_row else None  # None if the engine fell back to eager ZeRO-3
     persistent = live_tensor_bytes()
     with trace_memory() as traced:
@@ -247,6 +264,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "params": n_params,
         "first_step_s": times[0], "step_times_s": times[1 + args.warmup:1 + args.warmup + args.steps],
         "median_step_s": statistics.median(times[1 + args.warmup:1 + args.warmup + args.steps]),
+        # rank 0's median seconds per phase of the timed steps (a phase's median, so they need not add up)
+        "phase_medians_s": {phase: statistics.median(v) for phase, v in phase_times.items()},
         "losses": losses, "final_loss": mean_loss.item() / dist.get_world_size(),
         "peak_above_start_bytes": peak_above, "persistent_bytes": persistent,
         "peak_bytes": None if peak_above is None else persistent + peak_above,
@@ -258,6 +277,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         # what was live at that peak, by what allocated it: [allocated by, bytes, blocks] (benchmarks/memory.py)
         "live_at_peak": at_peak,
     }
+    if ours is not None:  # seconds per timed step the ranks waited on collectives (exposed communication)
+        result["wait_per_step_s"] = {"gather": ours.get("gather_seconds", 0.0) / args.steps,
+                                     "reduce": ours["reduce_wait_seconds"] / args.steps}
     if ours is not None and ours["zero_stage"] == 3:  # ZeRO-1/2 rows are counted at torch.distributed, as zero1/2
         result.update(saved_param_bytes=ours.get("saved_param_bytes"), saved_other_bytes=ours.get("saved_other_bytes"),
                       saved_source="engine_report", comm_source="engine_report",

@@ -8,7 +8,7 @@ import pytest
 from checkout import REPO_ROOT
 
 sys.path.insert(0, REPO_ROOT)
-from benchmarks.run import _per_round, check_losses, merge_rounds, parse_args  # noqa: E402
+from benchmarks.run import _per_round, check_losses, merge_rounds, parse_args, phase_table  # noqa: E402
 
 
 def _result(row: str, median: float, loss: float = 7.0, dtype: str = "fp32") -> dict:
@@ -26,6 +26,22 @@ def test_merged_step_is_the_median_of_the_rounds_and_the_rest_is_the_first_round
     assert merge_rounds(runs[:1]) == runs[0]  # one round: the launch's own record
     failed = {"row": "zero3", "error": "exit 1"}
     assert merge_rounds([runs[0], failed]) is failed  # a failed round fails the configuration
+
+
+def test_phases_and_waits_are_merged_per_part():
+    runs = [_result("ours-mincut", m) for m in (0.9, 0.5, 0.6)]
+    for r, (fw, bw, wait) in zip(runs, ((0.3, 0.5, 0.02), (0.1, 0.3, 0.04), (0.2, 0.4, 0.03))):
+        r["phase_medians_s"] = {"forward": fw, "backward": bw, "optimizer": 0.1}
+        r["wait_per_step_s"] = {"gather": wait, "reduce": 2 * wait}
+    merged = merge_rounds(runs)
+    assert merged["phase_medians_s"] == {"forward": 0.2, "backward": 0.4, "optimizer": 0.1}
+    assert merged["wait_per_step_s"] == {"gather": 0.03, "reduce": 0.06}
+    eager = _result("zero3", 0.7)
+    eager["phase_medians_s"] = {"forward": 0.25, "backward": 0.35, "optimizer": 0.1}
+    table = phase_table([merged, eager, {"row": "fsdp2", "error": "exit 1"}])
+    assert "| fp32 | ours-mincut[eager] | 0.600 | 0.200 | 0.400 | 0.100 | 0.030 | 0.060 |" in table
+    assert "| fp32 | zero3 | 0.700 | 0.250 | 0.350 | 0.100 | - | - |" in table
+    assert "fsdp2" not in table
 
 
 def test_ratio_per_round_pairs_the_launches_of_one_round():
