@@ -1,4 +1,5 @@
-"""Benchmark models: a small GPT and a small randomly initialised Llama (``transformers``, no download).
+"""Benchmark models: a small GPT of our own and two randomly initialised ``transformers`` models (no download), a
+Llama and a GPT-2 (tied embeddings, fused QKV ``Conv1D``, learned positions, GELU).
 
 Every model takes ``(idx, targets)`` and returns the mean cross-entropy loss, so DeepSpeed and FSDP2 drive
 them the same way; ``blocks(model)`` lists the repeated layers that FSDP2 shards one by one.
@@ -85,7 +86,25 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-MODELS = {"gpt": GPT, "llama": Llama}
+class GPT2(nn.Module):
+    """``transformers.GPT2LMHeadModel`` with random weights (its head tied to the token embedding, as GPT-2's is),
+    returning the loss of (idx, targets)."""
+
+    def __init__(self, size: ModelSize):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+        # no dropout: configurations are compared by their losses
+        config = GPT2Config(vocab_size=size.vocab, n_positions=size.seq, n_embd=size.dim, n_layer=size.layers,
+                            n_head=size.heads, use_cache=False, attn_implementation="sdpa", bos_token_id=0,
+                            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.model = GPT2LMHeadModel(config)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=idx, use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+MODELS = {"gpt": GPT, "llama": Llama, "gpt2": GPT2}
 
 
 def make_model(name: str, size: str = "small", seed: int = 0) -> nn.Module:
@@ -103,6 +122,8 @@ def blocks(model: nn.Module) -> List[nn.Module]:
         return list(model.blocks)
     if isinstance(model, Llama):
         return list(model.model.model.layers)
+    if isinstance(model, GPT2):
+        return list(model.model.transformer.h)
     raise TypeError(f"no block list for {type(model).__name__}")
 
 

@@ -229,7 +229,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of fp32,bf16,autocast")
     p.add_argument("--backends", default="eager", help="compile backends for compiled rows: eager,inductor")
-    p.add_argument("--model", default="gpt", choices=("gpt", "llama"))
+    p.add_argument("--model", default="gpt", choices=("gpt", "llama", "gpt2"))
     p.add_argument("--size", default="small", choices=("small", "large"))
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     p.add_argument("--rounds", type=int, default=1,
