@@ -112,17 +112,22 @@ def build_fsdp2(args: argparse.Namespace, model: torch.nn.Module) -> Step:
     fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     compiled = torch.compile(model, backend=args.backend) if args.row == "fsdp2+compile" else model
+    # torch.autocast over fp32 parameters: the numerics of DeepSpeed's torch_autocast (norms, softmax and the
+    # residual stream stay fp32), where FSDP2's policy computes everything in bf16
+    return _torch_step(model, compiled, optimizer, autocast)
 
+
+def _torch_step(model: torch.nn.Module, run: Callable, optimizer: torch.optim.Optimizer, autocast: bool) -> Step:
+    """A plain PyTorch training step: ``run(*batch)`` (under bf16 ``torch.autocast`` if asked), ``loss.backward()``,
+    then clipping at ``CLIP``, the optimizer's step and every gradient dropped."""
     def forward(batch: Tuple[torch.Tensor, ...]) -> torch.Tensor:
-        # torch.autocast over fp32 parameters: the numerics of DeepSpeed's torch_autocast (norms, softmax and the
-        # residual stream stay fp32), where FSDP2's policy computes everything in bf16
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            return compiled(*batch)
+            return run(*batch)
 
     def step() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
 
     return (forward, lambda loss: loss.backward(), step)
 
@@ -143,18 +148,7 @@ def build_local(args: argparse.Namespace, model: torch.nn.Module) -> Step:
         loads[owner] += p.numel()
         if owner == rank:
             mine.append(p)
-    optimizer = torch.optim.AdamW(mine, lr=LR)
-
-    def forward(batch: Tuple[torch.Tensor, ...]) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "autocast"):
-            return model(*batch)
-
-    def step() -> None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-
-    return (forward, lambda loss: loss.backward(), step)
+    return _torch_step(model, model, torch.optim.AdamW(mine, lr=LR), args.dtype == "autocast")
 
 
 PHASES = ("forward", "backward", "optimizer")
