@@ -66,6 +66,14 @@ def test_the_local_floor_is_not_loss_checked_nor_the_reference():
     assert results[1]["loss_check"] == "ok" and results[2]["loss_check"] == "FAILED"
 
 
+def test_every_round_s_loss_is_checked():
+    zero3 = merge_rounds([_result("zero3", 0.5), _result("zero3", 0.5)])
+    ours = merge_rounds([_result("ours-mincut", 0.4), _result("ours-mincut", 0.4, loss=7.5)])  # one launch diverged
+    check_losses([zero3, ours])
+    assert ours["loss_check"] == "FAILED"
+    assert ours["loss_rel_diff"] == pytest.approx(0.5 / 7.0)
+
+
 def test_rounds_below_one_are_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--rounds", "0"])
