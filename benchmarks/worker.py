@@ -35,7 +35,7 @@ from benchmarks.memory import live_at_peak, live_tensor_bytes, mark, step_peak, 
 from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_count  # noqa: E402
 from benchmarks.saved import saved_bytes  # noqa: E402
 
-ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-blocks", "ours-default", "fsdp2",
+ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-regather", "ours-blocks", "ours-default", "fsdp2",
         "fsdp2+compile", "zero1", "ours-zero1", "zero2", "zero2+compile", "ours-zero2", "local")
 EAGER_ROWS = ("zero3", "zero1", "zero2", "fsdp2", "local")  # rows that compile nothing
 DTYPES = ("fp32", "bf16", "autocast")
@@ -89,6 +89,8 @@ def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[S
     config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section, args.zero_settings, stage)
     if args.row == "ours-mincut+keep":
         section["keep_gathered_bytes"] = "prefetch"  # about what backward's first run would gather again at once
+    if args.row == "ours-regather":
+        section["keep_gathered_bytes"] = 0  # whatever stage3_max_reuse_distance says
     if args.row == "ours-blocks":
         section["regions"] = "blocks"  # one compiled graph serves every block (capture/regions.py)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)

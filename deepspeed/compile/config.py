@@ -54,13 +54,16 @@ class CompileConfig(DeepSpeedConfigModel):
     """The fused cast + all-gather: ``"native"`` (the C++ op, JIT-built at first use; an error if it cannot be
     built), ``"python"`` (torch.distributed calls), ``"auto"`` (native if it builds, else Python with one
     warning saying why)."""
-    keep_gathered_bytes: Union[Literal["prefetch"], Annotated[int, Field(ge=0)]] = 0
-    """With ``"min_cut"``: up to this many bytes of gathered parameters (per engine) stay gathered from forward to
-    backward instead of being gathered again there: the last gathered in forward first (backward needs them first,
-    so they are held the shortest time). It trades that much memory for the backward all-gathers of those
-    parameters. ``"prefetch"``: one prefetch bucket (``stage3_prefetch_bucket_size`` elements of the parameters'
-    dtype), about what backward's first run of gathers would gather again at once. 0 (the default): every parameter
-    is gathered again in backward."""
+    keep_gathered_bytes: Union[Literal["reuse_distance", "prefetch"], Annotated[int, Field(ge=0)]] = "reuse_distance"
+    """With ``"min_cut"``: which gathered parameters stay gathered from forward to backward instead of being gathered
+    again there. ``"reuse_distance"`` (the default): those eager ZeRO-3 would keep, by DeepSpeed's
+    ``stage3_max_reuse_distance`` (elements): a parameter stays gathered when fewer elements of other parameters are
+    used between its last use in forward and its first in backward (``graph/recompute.reuse_distances``). DeepSpeed's
+    default (1e9) keeps every parameter, as eager ZeRO-3 does; 0 keeps none. A number: up to this many bytes (per
+    engine, summed over its graphs), the last gathered in forward first (backward needs them first, so they are
+    held the shortest time). ``"prefetch"``: one prefetch bucket (``stage3_prefetch_bucket_size`` elements of the
+    parameters' dtype), about what backward's first run of gathers would gather again at once. 0: every parameter
+    is gathered again in backward, whatever ``stage3_max_reuse_distance`` says."""
     regions: Literal["model", "blocks"] = "model"
     """``"model"``: the whole model is captured as one forward and one backward graph (per graph break), so the
     schedule prefetches across its blocks. ``"blocks"``: each repeated block (the members of an ``nn.ModuleList`` of

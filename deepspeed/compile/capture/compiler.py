@@ -27,7 +27,7 @@ from ..graph import rewrite
 from . import cache
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, joint_primals, placeholders
 from ..runtime.ops import PLAIN_CALLS
-from ..graph.recompute import choose_kept_params, tag_param_aliases_pass
+from ..graph.recompute import choose_kept_by_reuse, choose_kept_params, tag_param_aliases_pass
 from ..graph.runner import run_passes
 from ..graph.saved import SavedBytes, saved_for_backward
 from ..schedule.fast_free import fast_free_schedule
@@ -102,18 +102,35 @@ class GraphCompiler:
             rewrite.mark_param_grads_pass(joint, num_fwd_outputs=num_fwd_outputs,
                                           grad_inputs=[i for i, key in enumerate(self.grad_keys) if key is not None])
         if self.config.partitioner == "min_cut":
-            budget = self.keep_budget() - self.stats.kept_gathered_bytes
-            kept = choose_kept_params(joint, budget) if budget > 0 else {}
+            kept = self.choose_kept(joint) if self.runtime.stage == 3 else {}
             self.kept = sum(kept.values())
             tag_param_aliases_pass(joint, keep=frozenset(kept))
             return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                        **kwargs)
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 
-    def keep_budget(self) -> int:
-        """``compile.keep_gathered_bytes`` in bytes (``"prefetch"``: one prefetch bucket of the parameters' dtype)."""
-        keep = self.config.keep_gathered_bytes
-        return self.runtime.prefetch_bucket_bytes() if keep == "prefetch" else keep
+    def choose_kept(self, joint: GraphModule) -> Dict[int, int]:
+        """The parameters ``compile.keep_gathered_bytes`` keeps gathered for backward in this joint graph: ds_id ->
+        gathered bytes."""
+        keep = self.keep_key()
+        if isinstance(keep, tuple):
+            _, max_reuse_distance, outside = keep
+            return choose_kept_by_reuse(joint, max_reuse_distance, outside)
+        budget = keep - self.stats.kept_gathered_bytes
+        return choose_kept_params(joint, budget) if budget > 0 else {}
+
+    def keep_key(self):
+        """What decides this graph's kept parameters besides the graph: ``("reuse_distance",
+        stage3_max_reuse_distance, elements of the sharded parameters outside this graph)``, or
+        ``compile.keep_gathered_bytes`` in bytes (``"prefetch"``: one prefetch bucket of the parameters' dtype)."""
+        keep, runtime = self.config.keep_gathered_bytes, self.runtime
+        if runtime.stage != 3:  # replicated parameters: nothing is gathered
+            return 0
+        if keep == "reuse_distance":
+            inside = set(self.param_ds_ids)
+            outside = sum(p.ds_numel for ds_id, p in runtime.sharded.items() if ds_id not in inside)
+            return ("reuse_distance", runtime.max_reuse_distance, outside)
+        return runtime.prefetch_bucket_bytes() if keep == "prefetch" else keep
 
     # --- forward / backward ------------------------------------------------------------------------------
     def _common_passes(self):
@@ -283,7 +300,7 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
     key = cache.compile_key(config=settings, stage=runtime.stage,
                             world=torch.distributed.get_world_size(),
                             runtime_id=runtime.id, gather_bucket_numel=runtime.gather_bucket_numel,
-                            keep_left=compiler.keep_budget() - stats.kept_gathered_bytes,
+                            keep=compiler.keep_key(), kept_before=stats.kept_gathered_bytes,
                             ds_ids=compiler.param_ds_ids, grad_keys=compiler.grad_keys)
     fw, bw = compiler.compile_forward, compiler.compile_backward
     use_cache = compiler.config.aot_cache

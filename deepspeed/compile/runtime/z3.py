@@ -111,6 +111,9 @@ class Z3Runtime:
         self.bucket_numel = int(engine.zero_reduce_bucket_size())
         # adjacent gathers of a graph go out as one collective of at most this many elements (0: never coalesce)
         self.gather_bucket_numel = int(engine.zero_prefetch_bucket_size())
+        # DeepSpeed's stage3_max_reuse_distance: which parameters stay gathered from forward to backward
+        # (compile.keep_gathered_bytes="reuse_distance")
+        self.max_reuse_distance = int(engine.zero_max_reuse_distance())
         # the gather runs the graphs have started, by their ``plan`` text, in first-use order (decoded once)
         self.gather_plans: Dict[str, _Plan] = {}
         self._inflight: Dict[Run, List[_Started]] = {}  # a run -> its all-gathers started ahead

@@ -194,3 +194,28 @@ def test_autocast_reduces_gradients_in_each_parameters_comm_dtype():
     bf16 and the others in fp32; DeepCompile moves exactly the same reduce-scatter bytes."""
     for r in run_distributed(_reduce_bytes_under_autocast, 3):
         assert r["deepcompile"] == r["eager"] > 0, r
+
+
+def _reuse_distance_both_ways(steps):
+    """At the defaults with nothing persistent, then with ``stage3_max_reuse_distance: 0`` as well."""
+    return {distance: _defaults(steps, {"stage3_param_persistence_threshold": 0,
+                                        **({} if distance is None else {"stage3_max_reuse_distance": distance})})
+            for distance in (None, 0)}
+
+
+def test_default_reuse_distance_keeps_parameters_gathered_for_backward():
+    """``stage3_max_reuse_distance`` decides, as in eager ZeRO-3, which parameters stay gathered from forward to
+    backward. At its default (1e9 elements) eager ZeRO-3 keeps every parameter, and so does DeepCompile: its backward
+    gathers nothing; at 0 backward gathers every parameter it reads again (min-cut's recompute). Either way fp32 with
+    the eager backend is bitwise eager ZeRO-3's."""
+    for r in run_distributed(_reuse_distance_both_ways, 3, timeout_s=400):
+        for distance in (None, 0):
+            dc, eager = r[distance]["deepcompile"], r[distance]["eager"]
+            assert dc["active"] and dc["persistent"] == 0, dc
+            assert dc["losses"] == eager["losses"] and r[distance]["params_equal"], (distance, dc, eager)
+        # the backward graphs' collectives (a backward graph is the one that reduces)
+        backward, regather = ([ops for ops in ([op for op, _ in order] for order in r[d]["deepcompile"]["orders"])
+                               if "reduce" in ops] for d in (None, 0))
+        assert backward and not any("gather" in ops for ops in backward), backward
+        assert any("gather" in ops for ops in regather), regather
+        assert r[None]["deepcompile"]["gathers"] < r[0]["deepcompile"]["gathers"], r

@@ -2,13 +2,15 @@
 import operator
 
 import torch
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from deepspeed.compile.graph import rewrite
 from deepspeed.compile.graph.nodes import META_DS_ID, downcast_dtype, is_alias, output_args
-from deepspeed.compile.graph.recompute import RECOMPUTE, tag_param_aliases_pass
+from deepspeed.compile.graph.recompute import RECOMPUTE, choose_kept_by_reuse, reuse_distances, tag_param_aliases_pass
 from deepspeed.compile.graph.saved import saved_for_backward
 from deepspeed.compile.runtime.ops import GATHER, REDUCE, RELEASE
 from graphs import FakeRuntime, trace
@@ -112,3 +114,39 @@ def test_saved_for_backward_splits_parameter_derived_bytes():
     report = saved_for_backward(gm, num_fwd_outputs=1)
     assert report.param_bytes == 8 * 4 * 4 and report.param_tensors == 1
     assert report.other_bytes == 3 * 8 * 4 and report.other_tensors == 1
+
+
+def _chain_joint() -> GraphModule:
+    """The joint forward/backward graph of three gathered linear maps in a chain (the input needs no gradient):
+    forward reads w1, w2, w3 in turn; backward reads w3, then w2 (the input gradients), never w1."""
+    runtime = FakeRuntime({})
+    joints = []
+
+    def partition(joint, joint_inputs, **kwargs):
+        joints.append(joint)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def f(s1, s2, s3, x):
+        h = x @ GATHER(s1, runtime.id, 1, None, [], "").t()
+        h = torch.relu(h @ GATHER(s2, runtime.id, 2, None, [], "").t())
+        return (h @ GATHER(s3, runtime.id, 3, None, [], "").t()).sum()
+
+    shapes = {1: (8, 4), 2: (8, 8), 3: (2, 8)}  # 32, 64 and 16 elements
+    runtime.params = {ds_id: torch.randn(shape) for ds_id, shape in shapes.items()}
+    inputs = [torch.randn(shape, requires_grad=True) for shape in shapes.values()] + [torch.randn(3, 4)]
+    aot_function(f, lambda gm, _: make_boxed_func(gm), lambda gm, _: make_boxed_func(gm), partition_fn=partition)(*inputs).backward()
+    return joints[0]
+
+
+def test_reuse_distance_counts_what_is_used_between_forward_and_backward():
+    """As eager ZeRO-3's ``stage3_max_reuse_distance``: w3 is read again in backward right after its forward read
+    (distance 0); between w2's last forward read and its first backward read, w3 is read once in each direction
+    (2 x 16); w1 is never read in backward, so there is nothing to keep. Parameters outside the graph count twice."""
+    joint = _chain_joint()
+    assert reuse_distances(joint) == {2: 32, 3: 0}
+    assert reuse_distances(joint, outside_numel=100) == {2: 232, 3: 200}
+    assert choose_kept_by_reuse(joint, 0) == {}
+    assert choose_kept_by_reuse(joint, 1) == {3: 16 * 4}
+    assert choose_kept_by_reuse(joint, 33) == {2: 64 * 4, 3: 16 * 4}
+    assert choose_kept_by_reuse(joint, int(1e9)) == {2: 64 * 4, 3: 16 * 4}
+    assert choose_kept_by_reuse(joint, 33, outside_numel=100) == {}
