@@ -53,6 +53,9 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
             "live_gathered_bytes": c.live_gathered_bytes,
             "peak_gathered_bytes": c.peak_gathered_bytes,
             "planned_peak_gathered_bytes": state.stats.planned_peak_gathered_bytes,
+            # gathered bytes of the parameters the compiled graphs keep from forward to backward
+            # (compile.keep_gathered_bytes), summed over the graphs (one block's with regions="blocks")
+            "kept_gathered_bytes": state.stats.kept_gathered_bytes,
         })
     return report
 

@@ -44,7 +44,7 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
     import torch
     import models_eager
     from compare import full_params
-    from deepspeed.compile.report import collective_orders
+    from deepspeed.compile.report import collective_orders, engine_report
     rank = torch.distributed.get_rank()
     out = {}
     for name, engine in _engines("gpt2", backend, zero_overrides):
@@ -69,6 +69,7 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
             result["plans"] = [(text, bool(plan.next)) for text, plan in runtime.gather_plans.items()]
             result["persistent"] = len(runtime.persistent)
             result["orders"] = collective_orders(engine)  # per compiled graph: its gathers and reduces, in order
+            result["kept"] = (engine_report(engine) or {}).get("kept_gathered_bytes")
         out[name] = result
     out["params_equal"] = all(torch.equal(out["eager"]["params"][k], out["deepcompile"]["params"][k])
                               for k in out["eager"]["params"])
@@ -219,3 +220,4 @@ def test_default_reuse_distance_keeps_parameters_gathered_for_backward():
         assert backward and not any("gather" in ops for ops in backward), backward
         assert any("gather" in ops for ops in regather), regather
         assert r[None]["deepcompile"]["gathers"] < r[0]["deepcompile"]["gathers"], r
+        assert r[None]["deepcompile"]["kept"] > 0 and r[0]["deepcompile"]["kept"] == 0, r
