@@ -35,9 +35,16 @@ from benchmarks.memory import live_at_peak, live_tensor_bytes, mark, step_peak, 
 from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_count  # noqa: E402
 from benchmarks.saved import saved_bytes  # noqa: E402
 
-ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-regather", "ours-blocks", "ours-default", "fsdp2",
-        "fsdp2+compile", "zero1", "ours-zero1", "zero2", "zero2+compile", "ours-zero2", "local")
+ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-regather", "ours-blocks", "ours-default",
+        "fsdp2", "fsdp2+compile", "zero1", "ours-zero1", "zero2", "zero2+compile", "ours-zero2", "local")
 EAGER_ROWS = ("zero3", "zero1", "zero2", "fsdp2", "local")  # rows that compile nothing
+# what a DeepCompile row sets in the "compile" section besides deepcompile and the min-cut partitioner
+ROW_SECTIONS = {
+    "ours-default": {"partitioner": "default"},
+    "ours-mincut+keep": {"keep_gathered_bytes": "prefetch"},  # about what backward's first run would gather again
+    "ours-regather": {"keep_gathered_bytes": 0},  # whatever stage3_max_reuse_distance says
+    "ours-blocks": {"regions": "blocks"},  # one compiled graph serves every block (capture/regions.py)
+}
 DTYPES = ("fp32", "bf16", "autocast")
 LR = 1e-3
 CLIP = 1.0  # DeepSpeed 0.19.8 clips at norm 1.0 by default; FSDP2 is clipped the same way
@@ -84,15 +91,9 @@ def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[S
     import deepspeed
     section = None
     if args.row.startswith("ours-"):
-        section = {"deepcompile": True, "partitioner": "default" if args.row == "ours-default" else "min_cut"}
+        section = {"deepcompile": True, "partitioner": "min_cut", **ROW_SECTIONS.get(args.row, {})}
     stage = 1 if "zero1" in args.row else 2 if "zero2" in args.row else 3
     config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section, args.zero_settings, stage)
-    if args.row == "ours-mincut+keep":
-        section["keep_gathered_bytes"] = "prefetch"  # about what backward's first run would gather again at once
-    if args.row == "ours-regather":
-        section["keep_gathered_bytes"] = 0  # whatever stage3_max_reuse_distance says
-    if args.row == "ours-blocks":
-        section["regions"] = "blocks"  # one compiled graph serves every block (capture/regions.py)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     if args.row not in EAGER_ROWS:
         engine.compile(backend=args.backend)

@@ -63,7 +63,10 @@ def reuse_distances(gm: GraphModule, outside_numel: int = 0) -> Dict[int, int]:
     (``partitioned_param_coordinator``'s walk over the modules between the two uses). ``outside_numel``: elements of
     parameters outside this graph, counted twice (once per direction) for every parameter: an upper bound, since
     the graph does not know where its run falls among the others'."""
-    gathers = _first_gathers(gm)
+    return _reuse_distances(gm, _first_gathers(gm), outside_numel)
+
+
+def _reuse_distances(gm: GraphModule, gathers: Dict[int, Tuple[int, Node]], outside_numel: int) -> Dict[int, int]:
     position = {node: index for index, node in enumerate(gm.graph.nodes)}
     backward = set(dependents(n for n in placeholders(gm.graph) if "tangents" in n.name))
     reads: Dict[int, Tuple[List[int], List[int]]] = {}  # ds_id -> sorted (forward, backward) read positions
@@ -94,8 +97,9 @@ def choose_kept_by_reuse(gm: GraphModule, max_reuse_distance: int, outside_numel
     whose reuse distance (``reuse_distances``) is under DeepSpeed's ``stage3_max_reuse_distance``. With its
     default (1e9 elements) that is every parameter backward reads; with 0, none. ds_id -> gathered bytes."""
     gathers = _first_gathers(gm)
+    distances = _reuse_distances(gm, gathers, outside_numel)
     return {ds_id: _gathered_bytes(gathers[ds_id][1])
-            for ds_id, distance in reuse_distances(gm, outside_numel).items() if distance < max_reuse_distance}
+            for ds_id, distance in distances.items() if distance < max_reuse_distance}
 
 
 def dependents(roots: Iterable[Node]) -> Set[Node]:
