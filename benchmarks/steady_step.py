@@ -1,19 +1,25 @@
-"""One benchmark row's steady steps, in process: the median step and phases, or where backward's time goes.
+"""Benchmark rows' steady steps, in one process: the median step and phases, or where backward's time goes.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/steady_step.py \
-        --row ours-zero2 --model llama --size large --steps 8 [--section '{"partitioner": "default"}'] \
-        [--aten-profile]
+        --rows ours-zero2,zero2+compile --model llama --size large --steps 8 \
+        [--section '{"partitioner": "default"}'] [--zero '[{}, {"reduce_bucket_size": 1e9}]'] [--aten-profile]
 
-Builds the row as ``worker.py`` does (same model, config and batches), runs ``--warm`` untimed steps after the
+Builds each row as ``worker.py`` does (same model, config and batches), runs ``--warm`` untimed steps after the
 compile step, then ``--steps`` timed steps with nothing else in the loop (no memory profiler, no collective
-counting): rank 0 prints the median step and per-phase seconds. ``--section`` overrides keys of a DeepCompile row's
-``"compile"`` section. ``--aten-profile`` instead runs each timed backward under ``torch.profiler`` and prints its
-ops by self CPU time per step (what ``run.py``'s phase table cannot split). A tool for questions the driver's
-numbers raise, not a second benchmark: ratios still come from ``run.py --rounds``.
+counting): rank 0 prints each row's median step, per-phase seconds and the process's minor page faults per step. With
+several rows each timed batch runs once per row, back to back in the order given, and the median of the per-batch
+ratios to the first row is printed too: the rows share the machine's state from one moment to the next, so a ratio
+of a few percent can be seen here, where separate launches differ by 10-25% (launch again with the rows in another
+order: each row always runs after the same one). ``--section`` overrides keys of a DeepCompile row's ``"compile"``
+section, ``--zero`` keys of a DeepSpeed row's ``"zero_optimization"`` section: a JSON object for every row, or a
+list of them, one per row. ``--aten-profile`` instead runs each timed backward under ``torch.profiler`` and prints
+its ops by self CPU time per step (what ``run.py``'s phase table cannot split). A tool for questions the driver's
+numbers raise, not a second benchmark: the benchmark's ratios still come from ``run.py --rounds``.
 """
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -27,19 +33,23 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def build(args: argparse.Namespace, section: Dict) -> worker.Step:
+def build(args: argparse.Namespace, row: str, section: Dict, zero: Dict) -> worker.Step:
+    args = argparse.Namespace(**{**vars(args), "row": row})
     model = worker.make_model(args.model, args.size, args.seed)
-    if args.row == "local":
+    if (section or zero) and (row == "local" or row.startswith("fsdp2")):
+        raise ValueError(f"--section/--zero: row {row} has no DeepSpeed config to override")
+    if row == "local":
         return worker.build_local(args, model)
-    if args.row.startswith("fsdp2"):
+    if row.startswith("fsdp2"):
         return worker.build_fsdp2(args, model)
     ds_config = worker.ds_config
 
     def with_section(*a, **k):
         config = ds_config(*a, **k)
         if section and "compile" not in config:
-            raise ValueError(f"--section: row {args.row} has no 'compile' section to override")
+            raise ValueError(f"--section: row {row} has no 'compile' section to override")
         config.get("compile", {}).update(section)
+        config["zero_optimization"].update(zero)
         return config
 
     worker.ds_config = with_section
@@ -65,9 +75,21 @@ def backward_ops(fns: worker.Step, batches: List) -> List[Tuple[str, int, float]
     return sorted(((k, c, s) for k, (c, s) in totals.items()), key=lambda t: -t[2])
 
 
+def per_row(parser: argparse.ArgumentParser, flag: str, text: str, rows: List[str]) -> List[Dict]:
+    """A flag's JSON: one object for every row, or a list of objects, one per row."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        parser.error(f"{flag}: not JSON ({err})")
+    values = value if isinstance(value, list) else [value] * len(rows)
+    if len(values) != len(rows) or not all(isinstance(v, dict) for v in values):
+        parser.error(f"{flag}: must be a JSON object, or a list of {len(rows)} objects (one per row of --rows)")
+    return values
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--row", choices=worker.ROWS, required=True)
+    p.add_argument("--rows", "--row", required=True, help=f"comma-separated, of {', '.join(worker.ROWS)}")
     p.add_argument("--backend", choices=("eager", "inductor"), default="eager")
     p.add_argument("--dtype", choices=worker.DTYPES, default="fp32")
     p.add_argument("--model", default="llama")
@@ -75,42 +97,58 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warm", type=int, default=3, help="untimed steps after the compile step")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--section", default="{}", help="JSON object merged into a DeepCompile row's compile section")
+    p.add_argument("--section", default="{}", help="JSON object (or list, one per row) merged into a DeepCompile "
+                   "row's compile section")
+    p.add_argument("--zero", default="{}", help="JSON object (or list, one per row) merged into a DeepSpeed row's "
+                   "zero_optimization section")
     p.add_argument("--aten-profile", action="store_true", help="backward's ops by self CPU time instead")
     worker.add_setting_args(p)
     args = p.parse_args()
-    try:
-        section = json.loads(args.section)
-    except json.JSONDecodeError as err:
-        p.error(f"--section: not JSON ({err})")
-    if not isinstance(section, dict):
-        p.error("--section: must be a JSON object")
+    rows = args.rows.split(",")
+    unknown = [r for r in rows if r not in worker.ROWS]
+    if unknown:
+        p.error(f"--rows: unknown {unknown}; choose from {', '.join(worker.ROWS)}")
+    sections, zeros = (per_row(p, flag, text, rows) for flag, text in (("--section", args.section),
+                                                                        ("--zero", args.zero)))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    fns = build(args, section)
+    labels = [f"{row} {json.dumps(sec)} {json.dumps(zero)}" for row, sec, zero in zip(rows, sections, zeros)]
+    built = [build(args, row, sec, zero) for row, sec, zero in zip(rows, sections, zeros)]
     batches = [worker.make_batch(args.size, i, rank) for i in range(1 + args.warm + args.steps)]
-    for batch in batches[:1 + args.warm]:
-        worker.train_step(fns, batch)
+    for fns in built:
+        for batch in batches[:1 + args.warm]:
+            worker.train_step(fns, batch)
     timed = batches[1 + args.warm:]
     if args.aten_profile:
-        ops = backward_ops(fns, timed)
-        if rank == 0:
-            total = sum(s for _, _, s in ops)
-            print(f"{args.row}: backward self CPU {total / args.steps * 1e3:.1f} ms/step")
-            for name, calls, seconds in ops[:25]:
-                print(f"  {seconds / args.steps * 1e3:8.2f} ms  {calls // args.steps:5d}x  {name}")
+        for label, fns in zip(labels, built):
+            ops = backward_ops(fns, timed)
+            if rank == 0:
+                total = sum(s for _, _, s in ops)
+                print(f"{label}: backward self CPU {total / args.steps * 1e3:.1f} ms/step")
+                for name, calls, seconds in ops[:25]:
+                    print(f"  {seconds / args.steps * 1e3:8.2f} ms  {calls // args.steps:5d}x  {name}")
     else:
-        phases: Dict[str, List[float]] = {phase: [] for phase in worker.PHASES}
-        steps = []
+        phases = [{phase: [] for phase in worker.PHASES} for _ in rows]
+        steps: List[List[float]] = [[] for _ in rows]
+        faults: List[List[int]] = [[] for _ in rows]
         for batch in timed:
-            t0 = time.perf_counter()
-            worker.train_step(fns, batch, phase_times=phases)
-            steps.append(time.perf_counter() - t0)
+            for r in range(len(rows)):
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                t0 = time.perf_counter()
+                worker.train_step(built[r], batch, phase_times=phases[r])
+                steps[r].append(time.perf_counter() - t0)
+                faults[r].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         if rank == 0:
-            parts = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases.items())
-            print(f"{args.row} {json.dumps(section)}: step {statistics.median(steps):.3f} s ({parts})")
+            for r, label in enumerate(labels):
+                parts = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases[r].items())
+                ratio = ""
+                if r:
+                    ratios = [a / b for a, b in zip(steps[r], steps[0])]
+                    ratio = f"; over the first row, per step: median {statistics.median(ratios):.3f}x"
+                print(f"{label}: step {statistics.median(steps[r]):.3f} s ({parts}){ratio}; "
+                      f"page faults {statistics.median(faults[r]):.0f}/step")
     dist.barrier()
     dist.destroy_process_group()
 
