@@ -78,3 +78,16 @@ def test_rounds_below_one_are_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--rounds", "0"])
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_steady_step_overrides_are_one_object_for_every_row_or_one_per_row(capsys):
+    import argparse
+    from benchmarks.steady_step import per_row
+    parser = argparse.ArgumentParser()
+    rows = ["ours-zero2", "zero2+compile"]
+    assert per_row(parser, "--zero", '{"reduce_bucket_size": 5}', rows) == [{"reduce_bucket_size": 5}] * 2
+    assert per_row(parser, "--zero", '[{}, {"overlap_comm": true}]', rows) == [{}, {"overlap_comm": True}]
+    for bad in ('[{}]', '[{}, 1]', '3', '{"a": '):
+        with pytest.raises(SystemExit):
+            per_row(parser, "--zero", bad, rows)
+        assert "--zero" in capsys.readouterr().err
