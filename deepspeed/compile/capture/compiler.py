@@ -114,14 +114,15 @@ class GraphCompiler:
         gathered bytes."""
         keep = self.keep_key()
         if isinstance(keep, tuple):
-            _, max_reuse_distance, outside = keep
-            return choose_kept_by_reuse(joint, max_reuse_distance, outside)
+            _, max_reuse_distance, prefetch_window, outside = keep
+            return choose_kept_by_reuse(joint, max_reuse_distance, outside, prefetch_window)
         budget = keep - self.stats.kept_gathered_bytes
         return choose_kept_params(joint, budget) if budget > 0 else {}
 
     def keep_key(self):
         """What decides this graph's kept parameters besides the graph: ``("reuse_distance",
-        stage3_max_reuse_distance, elements of the sharded parameters outside this graph)``, or
+        stage3_max_reuse_distance, eager ZeRO-3's prefetch window, elements of the sharded parameters outside this
+        graph)``, or
         ``compile.keep_gathered_bytes`` in bytes (``"prefetch"``: one prefetch bucket of the parameters' dtype)."""
         keep, runtime = self.config.keep_gathered_bytes, self.runtime
         if runtime.stage != 3:  # replicated parameters: nothing is gathered
@@ -129,7 +130,7 @@ class GraphCompiler:
         if keep == "reuse_distance":
             inside = set(self.param_ds_ids)
             outside = sum(p.ds_numel for ds_id, p in runtime.sharded.items() if ds_id not in inside)
-            return ("reuse_distance", runtime.max_reuse_distance, outside)
+            return ("reuse_distance", runtime.max_reuse_distance, runtime.prefetch_window, outside)
         return runtime.prefetch_bucket_bytes() if keep == "prefetch" else keep
 
     # --- forward / backward ------------------------------------------------------------------------------

@@ -63,10 +63,13 @@ def reuse_distances(gm: GraphModule, outside_numel: int = 0) -> Dict[int, int]:
     (``partitioned_param_coordinator``'s walk over the modules between the two uses). ``outside_numel``: elements of
     parameters outside this graph, counted twice (once per direction) for every parameter: an upper bound, since
     the graph does not know where its run falls among the others'."""
-    return _reuse_distances(gm, _first_gathers(gm), outside_numel)
+    return {ds_id: reuse for ds_id, (reuse, _) in _distances(gm, _first_gathers(gm), outside_numel).items()}
 
 
-def _reuse_distances(gm: GraphModule, gathers: Dict[int, Tuple[int, Node]], outside_numel: int) -> Dict[int, int]:
+def _distances(gm: GraphModule, gathers: Dict[int, Tuple[int, Node]],
+               outside_numel: int) -> Dict[int, Tuple[int, int]]:
+    """ds_id -> (reuse distance, as ``reuse_distances``; the elements of the other parameters used between the two
+    reads, each counted once: what eager ZeRO-3's prefetcher must gather before it reaches the backward read)."""
     position = {node: index for index, node in enumerate(gm.graph.nodes)}
     backward = set(dependents(n for n in placeholders(gm.graph) if "tangents" in n.name))
     reads: Dict[int, Tuple[List[int], List[int]]] = {}  # ds_id -> sorted (forward, backward) read positions
@@ -81,25 +84,47 @@ def _reuse_distances(gm: GraphModule, gathers: Dict[int, Tuple[int, Node]], outs
         i = bisect.bisect_right(positions, start)
         return i < len(positions) and positions[i] < end
 
-    distances: Dict[int, int] = {}
+    distances: Dict[int, Tuple[int, int]] = {}
     for ds_id, (forward, backward_reads) in reads.items():
         if not backward_reads:
             continue
         start, end = (forward[-1] if forward else gathers[ds_id][0]), backward_reads[0]
-        distances[ds_id] = 2 * outside_numel + sum(
-            numel[other] * (read_between(f, start, end) + read_between(b, start, end))
-            for other, (f, b) in reads.items() if other != ds_id)
+        reuse = window = 2 * outside_numel
+        for other, (f, b) in reads.items():
+            if other != ds_id:
+                in_forward, in_backward = read_between(f, start, end), read_between(b, start, end)
+                reuse += numel[other] * (in_forward + in_backward)
+                window += numel[other] * (in_forward or in_backward)
+        distances[ds_id] = (reuse, window)
     return distances
 
 
-def choose_kept_by_reuse(gm: GraphModule, max_reuse_distance: int, outside_numel: int = 0) -> Dict[int, int]:
-    """Parameters of a joint graph to keep gathered from forward to backward as eager ZeRO-3 keeps them: those
-    whose reuse distance (``reuse_distances``) is under DeepSpeed's ``stage3_max_reuse_distance``. With its
-    default (1e9 elements) that is every parameter backward reads; with 0, none. ds_id -> gathered bytes."""
+def choose_kept_by_reuse(gm: GraphModule, max_reuse_distance: int, outside_numel: int = 0,
+                         prefetch_window: int = 0) -> Dict[int, int]:
+    """Parameters of a joint graph to keep gathered from forward to backward as eager ZeRO-3 keeps them, ds_id ->
+    gathered bytes. Eager ZeRO-3 keeps a parameter for either of two reasons:
+
+    - its reuse distance (``reuse_distances``) is under DeepSpeed's ``stage3_max_reuse_distance``. With its
+      default (1e9 elements) that is every parameter backward reads.
+    - its prefetcher already passed the backward read when the forward use ends: the prefetcher walks the trace
+      ahead of the current module, gathering what it finds not gathered (up to ``stage3_prefetch_bucket_size``
+      elements per module, while at most ``stage3_max_live_parameters`` are gathered: ``prefetch_window``), and
+      marks a parameter it finds still gathered as wanted there, so the release after forward skips it. So it keeps
+      the parameters whose backward read comes within that many elements of gathering, the parameter itself and
+      each other parameter used in between counted once, even at a reuse distance of 0: those at the end of forward
+      and the start of backward (the head, the last blocks). The nearest first, and no more than the window in all
+      (what it holds gathered when forward ends is bounded by it).
+    """
     gathers = _first_gathers(gm)
-    distances = _reuse_distances(gm, gathers, outside_numel)
-    return {ds_id: _gathered_bytes(gathers[ds_id][1])
-            for ds_id, distance in distances.items() if distance < max_reuse_distance}
+    distances = _distances(gm, gathers, outside_numel)
+    kept = {ds_id for ds_id, (reuse, _) in distances.items() if reuse < max_reuse_distance}
+    room = prefetch_window
+    for ds_id in sorted(distances, key=lambda i: distances[i][1]):
+        numel = size_hint(gathers[ds_id][1].meta["val"].numel())
+        if ds_id not in kept and distances[ds_id][1] + numel <= prefetch_window and numel <= room:
+            kept.add(ds_id)
+            room -= numel
+    return {ds_id: _gathered_bytes(gathers[ds_id][1]) for ds_id in kept}
 
 
 def dependents(roots: Iterable[Node]) -> Set[Node]:

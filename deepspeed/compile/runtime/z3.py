@@ -114,6 +114,10 @@ class Z3Runtime:
         # DeepSpeed's stage3_max_reuse_distance: which parameters stay gathered from forward to backward
         # (compile.keep_gathered_bytes="reuse_distance")
         self.max_reuse_distance = int(engine.zero_max_reuse_distance())
+        # and how far ahead eager ZeRO-3's prefetcher reaches, which keeps the parameters it passes still gathered
+        # (graph/recompute.choose_kept_by_reuse): each module's fetch starts up to a prefetch bucket more, as long as
+        # at most stage3_max_live_parameters elements are gathered; without prefetch, nowhere
+        self.prefetch_window = int(engine.zero_max_live_parameters()) if self.gather_bucket_numel > 0 else 0
         # the gather runs the graphs have started, by their ``plan`` text, in first-use order (decoded once)
         self.gather_plans: Dict[str, _Plan] = {}
         self._inflight: Dict[Run, List[_Started]] = {}  # a run -> its all-gathers started ahead

@@ -39,6 +39,14 @@ def _engines(model_name, backend="eager", zero_overrides=None, extra=None):
         engine.destroy()
 
 
+def _gathered_after_forward(engine) -> int:
+    """Bytes of the sharded parameters eager ZeRO-3 holds gathered between forward and backward: those it keeps for
+    backward (by ``stage3_max_reuse_distance``, or because its prefetcher already walked past their backward use)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return sum(p.ds_numel * p.element_size() for p in engine.module.parameters()
+               if not p.ds_persist and p.ds_status == ZeroParamStatus.AVAILABLE)
+
+
 def _defaults(steps, zero_overrides=None, backend="eager"):
     import time
     import torch
@@ -53,6 +61,8 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
             idx, _ = models_eager.batch(step, rank, 16)
             start = time.perf_counter()
             loss = engine(input_ids=idx, labels=idx).loss
+            if name == "eager" and step == steps - 1:
+                out["eager_kept"] = _gathered_after_forward(engine)
             engine.backward(loss)
             engine.step()
             times.append(time.perf_counter() - start)
@@ -70,6 +80,7 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
             result["persistent"] = len(runtime.persistent)
             result["orders"] = collective_orders(engine)  # per compiled graph: its gathers and reduces, in order
             result["kept"] = (engine_report(engine) or {}).get("kept_gathered_bytes")
+            result["sharded_bytes"] = {ds_id: p.ds_numel * p.element_size() for ds_id, p in runtime.sharded.items()}
         out[name] = result
     out["params_equal"] = all(torch.equal(out["eager"]["params"][k], out["deepcompile"]["params"][k])
                               for k in out["eager"]["params"])
@@ -197,27 +208,47 @@ def test_autocast_reduces_gradients_in_each_parameters_comm_dtype():
         assert r["deepcompile"] == r["eager"] > 0, r
 
 
-def _reuse_distance_both_ways(steps):
-    """At the defaults with nothing persistent, then with ``stage3_max_reuse_distance: 0`` as well."""
-    return {distance: _defaults(steps, {"stage3_param_persistence_threshold": 0,
-                                        **({} if distance is None else {"stage3_max_reuse_distance": distance})})
-            for distance in (None, 0)}
+KEEP_SETTINGS = {  # nothing persistent in each
+    "defaults": {},
+    "reuse 0": {"stage3_max_reuse_distance": 0},  # eager ZeRO-3's prefetcher (1e9 live elements) still keeps all
+    "reuse 0, live 40000": {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 40000},
+    "reuse 0, no prefetch": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0},
+}
 
 
-def test_default_reuse_distance_keeps_parameters_gathered_for_backward():
-    """``stage3_max_reuse_distance`` decides, as in eager ZeRO-3, which parameters stay gathered from forward to
-    backward. At its default (1e9 elements) eager ZeRO-3 keeps every parameter, and so does DeepCompile: its backward
-    gathers nothing; at 0 backward gathers every parameter it reads again (min-cut's recompute). Either way fp32 with
-    the eager backend is bitwise eager ZeRO-3's."""
-    for r in run_distributed(_reuse_distance_both_ways, 3, timeout_s=400):
-        for distance in (None, 0):
-            dc, eager = r[distance]["deepcompile"], r[distance]["eager"]
+def _keep_settings(steps):
+    return {name: _defaults(steps, {"stage3_param_persistence_threshold": 0, **zero})
+            for name, zero in KEEP_SETTINGS.items()}
+
+
+def test_parameters_stay_gathered_for_backward_where_eager_zero3_keeps_them():
+    """Which parameters stay gathered from forward to backward is what eager ZeRO-3 keeps, in bytes, under each
+    setting: at the default ``stage3_max_reuse_distance`` (1e9 elements) every parameter, and DeepCompile's backward
+    gathers nothing; at 0 those its prefetcher has walked past when forward ends (all of this small model with the
+    default 1e9 live elements, some within 40000, none without prefetch), where backward gathers the rest again
+    (min-cut's recompute). Eager ZeRO-3 also holds, module by module, parameters backward never reads (biases, the
+    position embedding), which DeepCompile does not keep. Every setting is bitwise eager ZeRO-3's in fp32 with the
+    eager backend."""
+    for r in run_distributed(_keep_settings, 3, timeout_s=500):
+        # the backward graphs' collectives (a backward graph is the one that reduces), as (op, ds_id)
+        backward = {name: [order for order in r[name]["deepcompile"]["orders"] if any(op == "reduce" for op, _ in order)]
+                    for name in KEEP_SETTINGS}
+        # without prefetch nothing is kept: backward gathers every parameter it reads
+        sharded = r["reuse 0, no prefetch"]["deepcompile"]["sharded_bytes"]
+        read = {ds_id for order in backward["reuse 0, no prefetch"] for op, ds_id in order if op == "gather"}
+        unread = sum(size for ds_id, size in sharded.items() if ds_id not in read)
+        assert read and unread > 0, (read, sharded)
+        for name in KEEP_SETTINGS:
+            dc, eager = r[name]["deepcompile"], r[name]["eager"]
             assert dc["active"] and dc["persistent"] == 0, dc
-            assert dc["losses"] == eager["losses"] and r[distance]["params_equal"], (distance, dc, eager)
-        # the backward graphs' collectives (a backward graph is the one that reduces)
-        backward, regather = ([ops for ops in ([op for op, _ in order] for order in r[d]["deepcompile"]["orders"])
-                               if "reduce" in ops] for d in (None, 0))
-        assert backward and not any("gather" in ops for ops in backward), backward
-        assert any("gather" in ops for ops in regather), regather
-        assert r[None]["deepcompile"]["gathers"] < r[0]["deepcompile"]["gathers"], r
-        assert r[None]["deepcompile"]["kept"] > 0 and r[0]["deepcompile"]["kept"] == 0, r
+            assert dc["losses"] == eager["losses"] and r[name]["params_equal"], (name, dc, eager)
+            # what eager ZeRO-3 holds gathered after forward: DeepCompile's kept bytes, and at most the unread ones
+            assert dc["kept"] <= r[name]["eager_kept"] <= dc["kept"] + unread, (name, dc["kept"], r[name]["eager_kept"])
+        backward = {name: [[op for op, _ in order] for order in orders] for name, orders in backward.items()}
+        kept = {name: r[name]["deepcompile"]["kept"] for name in KEEP_SETTINGS}
+        for name in ("defaults", "reuse 0"):
+            assert backward[name] and not any("gather" in ops for ops in backward[name]), (name, backward[name])
+        for name in ("reuse 0, live 40000", "reuse 0, no prefetch"):
+            assert any("gather" in ops for ops in backward[name]), (name, backward[name])
+        assert kept["defaults"] == kept["reuse 0"] > kept["reuse 0, live 40000"] > kept["reuse 0, no prefetch"] == 0
+        assert r["defaults"]["deepcompile"]["gathers"] < r["reuse 0, no prefetch"]["deepcompile"]["gathers"], r

@@ -130,9 +130,10 @@ def test_parameters_kept_gathered_are_not_gathered_again_in_backward():
 
 
 def test_keep_one_prefetch_bucket():
-    """``keep_gathered_bytes: "prefetch"``: one prefetch bucket (of fp32 here) stays gathered for backward."""
+    """``keep_gathered_bytes: "prefetch"``: one prefetch bucket (of fp32 here) stays gathered for backward, against
+    keeping none (``0``; the default would keep what eager ZeRO-3's prefetcher keeps)."""
     prefetch = 5000
-    base = run_distributed(_rank_coalesced, 2, "eager", prefetch, 2)
+    base = run_distributed(_rank_coalesced, 2, "eager", prefetch, 2, 0)
     kept = run_distributed(_rank_coalesced, 2, "eager", prefetch, 2, "prefetch")
     for b, k in zip(base, kept):
         assert b["saved_param_bytes"] == 0, b

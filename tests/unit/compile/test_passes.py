@@ -150,3 +150,22 @@ def test_reuse_distance_counts_what_is_used_between_forward_and_backward():
     assert choose_kept_by_reuse(joint, 33) == {2: 64 * 4, 3: 16 * 4}
     assert choose_kept_by_reuse(joint, int(1e9)) == {2: 64 * 4, 3: 16 * 4}
     assert choose_kept_by_reuse(joint, 33, outside_numel=100) == {}
+
+
+def test_eager_zero3_s_prefetch_window_keeps_parameters_at_reuse_distance_zero():
+    """Eager ZeRO-3's prefetcher marks a parameter it walks past still gathered as wanted at that later use, so the
+    release after forward skips it: with a prefetch window, the parameters whose backward read comes within that
+    many elements of gathering (their own included) are kept even at ``stage3_max_reuse_distance`` 0, the nearest
+    first and no more than the window in all. w3's reads are adjacent (16 elements of its own); between w2's reads
+    only w3 is used (16 elements, counted once, though it is used in both directions), and w2 has 64."""
+    joint = _chain_joint()
+    assert choose_kept_by_reuse(joint, 0, prefetch_window=0) == {}
+    assert choose_kept_by_reuse(joint, 0, prefetch_window=15) == {}
+    assert choose_kept_by_reuse(joint, 0, prefetch_window=16) == {3: 16 * 4}
+    assert choose_kept_by_reuse(joint, 0, prefetch_window=79) == {3: 16 * 4}
+    assert choose_kept_by_reuse(joint, 0, prefetch_window=80) == {2: 64 * 4, 3: 16 * 4}
+    # the reuse distance keeps w3 on its own; the window still has room for w2 (the total is what the window bounds)
+    assert choose_kept_by_reuse(joint, 1, prefetch_window=80) == {2: 64 * 4, 3: 16 * 4}
+    # parameters outside the graph count twice in the window too (gathered in forward and again in backward)
+    assert choose_kept_by_reuse(joint, 0, outside_numel=100, prefetch_window=279) == {3: 16 * 4}
+    assert choose_kept_by_reuse(joint, 0, outside_numel=100, prefetch_window=280) == {2: 64 * 4, 3: 16 * 4}
