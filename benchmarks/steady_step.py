@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/steady_step.py \
         --rows ours-zero2,zero2+compile --model llama --size large --steps 8 \
-        [--section '{"partitioner": "default"}'] [--zero '[{}, {"reduce_bucket_size": 1e9}]'] [--aten-profile]
+        [--section '{"partitioner": "default"}'] [--zero '[{}, {"reduce_bucket_size": 1e9}]'] \
+        [--aten-profile | --reduce-timeline]
 
 Builds each row as ``worker.py`` does (same model, config and batches), runs ``--warm`` untimed steps after the
 compile step, then ``--steps`` timed steps with nothing else in the loop (no memory profiler, no collective
@@ -13,7 +14,9 @@ of a few percent can be seen here, where separate launches differ by 10-25% (lau
 order: each row always runs after the same one). ``--section`` overrides keys of a DeepCompile row's ``"compile"``
 section, ``--zero`` keys of a DeepSpeed row's ``"zero_optimization"`` section: a JSON object for every row, or a
 list of them, one per row. ``--aten-profile`` instead runs each timed backward under ``torch.profiler`` and prints
-its ops by self CPU time per step (what ``run.py``'s phase table cannot split). A tool for questions the driver's
+its ops by self CPU time per step (what ``run.py``'s phase table cannot split). ``--reduce-timeline`` instead
+prints, for ZeRO-1/2 rows and every rank, when ZeRO's bucket reductions start in backward and how long each takes
+(both ranks start each backward together): what is compute and what is the reductions. A tool for questions the driver's
 numbers raise, not a second benchmark: the benchmark's ratios still come from ``run.py --rounds``.
 """
 import argparse
@@ -23,7 +26,7 @@ import resource
 import statistics
 import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -33,15 +36,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def build(args: argparse.Namespace, row: str, section: Dict, zero: Dict) -> worker.Step:
+def build(args: argparse.Namespace, row: str, section: Dict, zero: Dict) -> Tuple[worker.Step, Optional[object]]:
+    """The row's step functions, and its DeepSpeed engine (None for the rows without one)."""
     args = argparse.Namespace(**{**vars(args), "row": row})
     model = worker.make_model(args.model, args.size, args.seed)
     if (section or zero) and (row == "local" or row.startswith("fsdp2")):
         raise ValueError(f"--section/--zero: row {row} has no DeepSpeed config to override")
     if row == "local":
-        return worker.build_local(args, model)
+        return worker.build_local(args, model), None
     if row.startswith("fsdp2"):
-        return worker.build_fsdp2(args, model)
+        return worker.build_fsdp2(args, model), None
     ds_config = worker.ds_config
 
     def with_section(*a, **k):
@@ -54,7 +58,7 @@ def build(args: argparse.Namespace, row: str, section: Dict, zero: Dict) -> work
 
     worker.ds_config = with_section
     try:
-        return worker.build_deepspeed(args, model)[0]
+        return worker.build_deepspeed(args, model)
     finally:
         worker.ds_config = ds_config
 
@@ -73,6 +77,54 @@ def backward_ops(fns: worker.Step, batches: List) -> List[Tuple[str, int, float]
             calls, seconds = totals.get(e.key, (0, 0.0))
             totals[e.key] = (calls + e.count, seconds + e.self_cpu_time_total / 1e6)
     return sorted(((k, c, s) for k, (c, s) in totals.items()), key=lambda t: -t[2])
+
+
+def reduction_timeline(fns: worker.Step, engine, batches: List) -> Tuple[List[float], List[List[Tuple[float, float]]]]:
+    """ZeRO-1/2 rows: each step's backward seconds, and each of ZeRO's bucket reductions in it (its
+    ``reduce_ipg_grads``, wherever it is called from: a gradient hook, DeepCompile's runtime, the end of backward) as
+    (seconds from the start of backward, seconds it took). Both ranks start each backward together."""
+    optimizer = engine.optimizer
+    own = vars(optimizer).get("reduce_ipg_grads")  # DeepCompile's runtime counts them through an instance attribute
+    reduce_ipg_grads = optimizer.reduce_ipg_grads
+    spans: List[Tuple[float, float]] = []
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return reduce_ipg_grads(*args, **kwargs)
+        finally:
+            spans.append((start, time.perf_counter() - start))
+
+    forward, backward, step = fns
+    backwards, steps = [], []
+    optimizer.reduce_ipg_grads = timed
+    try:
+        for batch in batches:
+            loss = forward(batch)
+            spans.clear()
+            dist.barrier()
+            t0 = time.perf_counter()
+            backward(loss)
+            backwards.append(time.perf_counter() - t0)
+            steps.append([(start - t0, took) for start, took in spans])
+            step()
+    finally:
+        if own is None:
+            del optimizer.reduce_ipg_grads
+        else:
+            optimizer.reduce_ipg_grads = own
+    return backwards, steps
+
+
+def summarize_timeline(steps: List[List[Tuple[float, float]]]) -> Tuple[List[Tuple[float, float]], float]:
+    """Per bucket reduction, by its position in the step: the medians over the steps of its start and of its
+    duration; and the median over the steps of the time spent in reductions (steps with a different number of
+    reductions than the first are left out of the positions, not of the total)."""
+    count = len(steps[0])
+    same = [spans for spans in steps if len(spans) == count]
+    positions = [(statistics.median(s[i][0] for s in same), statistics.median(s[i][1] for s in same))
+                 for i in range(count)]
+    return positions, statistics.median(sum(took for _, took in spans) for spans in steps)
 
 
 def per_row(parser: argparse.ArgumentParser, flag: str, text: str, rows: List[str]) -> List[Dict]:
@@ -102,6 +154,8 @@ def main() -> None:
     p.add_argument("--zero", default="{}", help="JSON object (or list, one per row) merged into a DeepSpeed row's "
                    "zero_optimization section")
     p.add_argument("--aten-profile", action="store_true", help="backward's ops by self CPU time instead")
+    p.add_argument("--reduce-timeline", action="store_true", help="ZeRO-1/2 rows: when ZeRO's bucket reductions run "
+                   "in backward and how long each takes, on every rank, instead")
     worker.add_setting_args(p)
     args = p.parse_args()
     rows = args.rows.split(",")
@@ -117,11 +171,28 @@ def main() -> None:
     labels = [f"{row} {json.dumps(sec)} {json.dumps(zero)}" for row, sec, zero in zip(rows, sections, zeros)]
     built = [build(args, row, sec, zero) for row, sec, zero in zip(rows, sections, zeros)]
     batches = [worker.make_batch(args.size, i, rank) for i in range(1 + args.warm + args.steps)]
+    engines = [engine for _, engine in built]
+    built = [fns for fns, _ in built]
+    if args.reduce_timeline:
+        no_buckets = [row for row, e in zip(rows, engines) if not hasattr(getattr(e, "optimizer", None), "ipg_buckets")]
+        if no_buckets:
+            p.error(f"--reduce-timeline: rows {no_buckets} have no ZeRO-1/2 reduce buckets")
     for fns in built:
         for batch in batches[:1 + args.warm]:
             worker.train_step(fns, batch)
     timed = batches[1 + args.warm:]
-    if args.aten_profile:
+    if args.reduce_timeline:
+        for label, fns, engine in zip(labels, built, engines):
+            backwards, steps = reduction_timeline(fns, engine, timed)
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, (statistics.median(backwards), summarize_timeline(steps)))
+            if rank == 0:
+                print(f"{label}: bucket reductions in backward (median start + median duration, ms)")
+                for r, (backward, (positions, total)) in enumerate(everyone):
+                    spans = " ".join(f"{start * 1e3:.0f}+{took * 1e3:.0f}" for start, took in positions)
+                    print(f"  rank {r}: backward {backward * 1e3:.0f} ms; {spans}; in reductions {total * 1e3:.0f} "
+                          "ms/step")
+    elif args.aten_profile:
         for label, fns in zip(labels, built):
             ops = backward_ops(fns, timed)
             if rank == 0:

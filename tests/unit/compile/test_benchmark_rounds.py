@@ -91,3 +91,14 @@ def test_steady_step_overrides_are_one_object_for_every_row_or_one_per_row(capsy
         with pytest.raises(SystemExit):
             per_row(parser, "--zero", bad, rows)
         assert "--zero" in capsys.readouterr().err
+
+
+def test_steady_step_reduction_timeline_is_summarized_by_position_over_steps():
+    from benchmarks.steady_step import summarize_timeline
+    steps = [[(0.10, 0.02), (0.30, 0.01)],
+             [(0.12, 0.04), (0.28, 0.03)],
+             [(0.11, 0.03), (0.35, 0.02)],
+             [(0.20, 0.05)]]  # a step with one reduction fewer: left out of the positions, kept in the total
+    positions, total = summarize_timeline(steps)
+    assert positions == [(0.11, 0.03), (0.30, 0.02)]
+    assert total == pytest.approx(0.05)  # median of 0.03, 0.07, 0.05, 0.05
