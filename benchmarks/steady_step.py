@@ -153,8 +153,9 @@ def main() -> None:
                    "row's compile section")
     p.add_argument("--zero", default="{}", help="JSON object (or list, one per row) merged into a DeepSpeed row's "
                    "zero_optimization section")
-    p.add_argument("--aten-profile", action="store_true", help="backward's ops by self CPU time instead")
-    p.add_argument("--reduce-timeline", action="store_true", help="ZeRO-1/2 rows: when ZeRO's bucket reductions run "
+    instead = p.add_mutually_exclusive_group()
+    instead.add_argument("--aten-profile", action="store_true", help="backward's ops by self CPU time instead")
+    instead.add_argument("--reduce-timeline", action="store_true", help="ZeRO-1/2 rows: when ZeRO's bucket reductions run "
                    "in backward and how long each takes, on every rank, instead")
     worker.add_setting_args(p)
     args = p.parse_args()
