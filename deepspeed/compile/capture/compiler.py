@@ -26,7 +26,7 @@ from ..config import CompileConfig
 from ..graph import rewrite
 from . import cache
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, joint_primals, placeholders
-from ..runtime.ops import PLAIN_CALLS
+from ..runtime.ops import PLAIN_CALLS, UNTRACED_CALLS
 from ..graph.recompute import choose_kept_by_reuse, choose_kept_params, tag_param_aliases_pass
 from ..graph.runner import run_passes
 from ..graph.saved import SavedBytes, saved_for_backward
@@ -221,6 +221,10 @@ class GraphCompiler:
         # from that read until backward ends, so the handle arrives with the gathered tensor's strides, not the
         # stand-in's it was traced with; inductor's input asserts would reject it. Nothing in the graph reads it.
         handles = is_backward and any(is_reduce(n) and n.args[3] is not None for n in gm.graph.nodes)
+        for node in gm.graph.nodes:  # our ops without the layers tracing needed: called past them from here on
+            if node.op == "call_function" and node.target in UNTRACED_CALLS:
+                node.target = UNTRACED_CALLS[node.target]
+        gm.recompile()
         with torch._inductor.config.patch(size_asserts=False) if handles else contextlib.nullcontext():
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
 

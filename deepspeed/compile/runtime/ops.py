@@ -143,3 +143,29 @@ PARAM_GRAD = torch.ops.dsc.param_grad.default
 
 # each op's plain function, for graphs that run as Python (the eager backend) once every pass is done
 PLAIN_CALLS = {GATHER: run_gather, RELEASE: run_release, REDUCE: run_reduce}
+
+# Each op again, as ``dsc::run_<name>``: the same schema and function, for inductor's final graphs, which call ops
+# through the dispatcher. ``custom_op`` wraps an op in the layers tracing needs (an autograd kernel, default
+# filling, an aliasing check of the outputs, dynamo's disable), each in Python: 30-60 us a call on this project's
+# CPU machines against 6-8 us for the same function registered with ``torch.library.Library``, whose autograd and
+# version-counter handling are the dispatcher's C++ fallbacks (``python benchmarks/op_dispatch.py``); a ZeRO-3
+# step calls several hundred. The twins go into a graph only after our last pass (``GraphCompiler._finish``):
+# nothing traces or differentiates it after that, and inductor reads the same schema (mutated arguments included)
+# as from the op each replaces, so it orders and keeps them as it did those.
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
+def _untraced_twin(op: torch._ops.OpOverload, run, fake) -> torch._ops.OpOverload:
+    name = f"run_{op._schema.name.split('::')[1]}"
+    _LIBRARY.define(name + str(op._schema)[len(op._schema.name):])
+    _LIBRARY.impl(name, run, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.dsc, name).default
+
+
+UNTRACED_CALLS = {
+    GATHER: _untraced_twin(GATHER, run_gather, lambda standin, runtime_id, ds_id, dtype, after, plan:
+                           standin.new_empty(standin.shape, dtype=dtype or standin.dtype)),
+    RELEASE: _untraced_twin(RELEASE, run_release, lambda gathered, runtime_id, ds_id, after: None),
+    REDUCE: _untraced_twin(REDUCE, run_reduce, lambda grad, runtime_id, ds_id, param: None),
+}

@@ -169,3 +169,35 @@ def test_eager_zero3_s_prefetch_window_keeps_parameters_at_reuse_distance_zero()
     # parameters outside the graph count twice in the window too (gathered in forward and again in backward)
     assert choose_kept_by_reuse(joint, 0, outside_numel=100, prefetch_window=279) == {3: 16 * 4}
     assert choose_kept_by_reuse(joint, 0, outside_numel=100, prefetch_window=280) == {2: 64 * 4, 3: 16 * 4}
+
+
+def test_untraced_twins_have_the_ops_schemas_and_reach_the_same_runtime():
+    """Inductor's final graphs call ``dsc::run_*`` in place of our custom ops (``ops.UNTRACED_CALLS``): inductor
+    orders and keeps them by their schema, so each must declare the same arguments, mutations and results; and a
+    call must do what the op does."""
+    from deepspeed.compile.runtime.ops import UNTRACED_CALLS
+
+    def signature(schema):
+        def alias(a):
+            return None if a.alias_info is None else a.alias_info.is_write
+        return ([(a.name, str(a.type), alias(a)) for a in schema.arguments],
+                [(str(r.type), alias(r)) for r in schema.returns])
+
+    assert set(UNTRACED_CALLS) == {GATHER, RELEASE, REDUCE}
+    for op, twin in UNTRACED_CALLS.items():
+        assert twin._schema.name == op._schema.name.replace("dsc::", "dsc::run_")
+        assert signature(twin._schema) == signature(op._schema)
+    assert signature(UNTRACED_CALLS[REDUCE]._schema)[0][0][2] is True  # the gradient is declared mutated
+    assert signature(UNTRACED_CALLS[RELEASE]._schema)[0][0][2] is True  # so is the released tensor
+
+    full = torch.randn(3, 4)
+    runtime = FakeRuntime({7: full})
+    param = torch.nn.Parameter(torch.zeros(0))
+    grad = torch.randn(3, 4)
+    with torch.no_grad():
+        gathered = UNTRACED_CALLS[GATHER](param, runtime.id, 7, torch.bfloat16, [], "")
+        UNTRACED_CALLS[RELEASE](gathered, runtime.id, 7, [])
+        UNTRACED_CALLS[REDUCE](grad, runtime.id, 7, param)
+    assert torch.equal(gathered, full.to(torch.bfloat16))
+    assert runtime.ops() == [("gather", 7), ("release", 7), ("reduce", 7)]
+    assert runtime.calls[1][2] == torch.bfloat16 and torch.equal(runtime.calls[2][2], grad)
