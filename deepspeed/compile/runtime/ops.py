@@ -45,7 +45,7 @@ def run_gather(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[tor
 
 
 @gather_param.register_fake
-def _(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype], after: List[Tensor],
+def _gather_fake(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype], after: List[Tensor],
       plan: str) -> Tensor:
     return standin.new_empty(standin.shape, dtype=dtype or standin.dtype)
 
@@ -92,7 +92,7 @@ def run_release(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tenso
 
 
 @release_param.register_fake
-def _(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> None:
+def _release_fake(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> None:
     return None
 
 
@@ -109,7 +109,7 @@ def run_reduce(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor
 
 
 @reduce_grad.register_fake
-def _(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor]) -> None:
+def _reduce_fake(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor]) -> None:
     return None
 
 
@@ -146,8 +146,8 @@ PLAIN_CALLS = {GATHER: run_gather, RELEASE: run_release, REDUCE: run_reduce}
 
 # Each op again, as ``dsc::run_<name>``: the same schema and function, for inductor's final graphs, which call ops
 # through the dispatcher. ``custom_op`` wraps an op in the layers tracing needs (an autograd kernel, default
-# filling, an aliasing check of the outputs, dynamo's disable), each in Python: 30-60 us a call on this project's
-# CPU machines against 6-8 us for the same function registered with ``torch.library.Library``, whose autograd and
+# filling, an aliasing check of the outputs, dynamo's disable), each in Python: 20-60 us a call on this project's
+# CPU machines against 3-8 us for the same function registered with ``torch.library.Library``, whose autograd and
 # version-counter handling are the dispatcher's C++ fallbacks (``python benchmarks/op_dispatch.py``); a ZeRO-3
 # step calls several hundred. The twins go into a graph only after our last pass (``GraphCompiler._finish``):
 # nothing traces or differentiates it after that, and inductor reads the same schema (mutated arguments included)
@@ -156,6 +156,7 @@ _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
 def _untraced_twin(op: torch._ops.OpOverload, run, fake) -> torch._ops.OpOverload:
+    """``op``'s schema under the name ``run_<name>``, with ``run`` as its kernel and ``op``'s fake."""
     name = f"run_{op._schema.name.split('::')[1]}"
     _LIBRARY.define(name + str(op._schema)[len(op._schema.name):])
     _LIBRARY.impl(name, run, "CompositeExplicitAutograd")
@@ -163,9 +164,6 @@ def _untraced_twin(op: torch._ops.OpOverload, run, fake) -> torch._ops.OpOverloa
     return getattr(torch.ops.dsc, name).default
 
 
-UNTRACED_CALLS = {
-    GATHER: _untraced_twin(GATHER, run_gather, lambda standin, runtime_id, ds_id, dtype, after, plan:
-                           standin.new_empty(standin.shape, dtype=dtype or standin.dtype)),
-    RELEASE: _untraced_twin(RELEASE, run_release, lambda gathered, runtime_id, ds_id, after: None),
-    REDUCE: _untraced_twin(REDUCE, run_reduce, lambda grad, runtime_id, ds_id, param: None),
-}
+UNTRACED_CALLS = {GATHER: _untraced_twin(GATHER, run_gather, _gather_fake),
+                  RELEASE: _untraced_twin(RELEASE, run_release, _release_fake),
+                  REDUCE: _untraced_twin(REDUCE, run_reduce, _reduce_fake)}
