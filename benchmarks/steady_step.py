@@ -7,7 +7,9 @@
 
 Builds each row as ``worker.py`` does (same model, config and batches), runs ``--warm`` untimed steps after the
 compile step, then ``--steps`` timed steps with nothing else in the loop (no memory profiler, no collective
-counting): rank 0 prints each row's median step, per-phase seconds and the process's minor page faults per step. With
+counting): rank 0 prints each row's median step, per-phase seconds and the process's minor page faults per step, and
+for a DeepCompile row what its engine report counted over the timed steps, per step: the time spent waiting on
+collectives (the exposed all-gather wait, ZeRO-3 only, and the reduce wait) and the number of collectives. With
 several rows each timed batch runs once per row, back to back in the order given, and the median of the per-batch
 ratios to the first row is printed too: the rows share the machine's state from one moment to the next, so a ratio
 of a few percent can be seen here, where separate launches differ by 10-25% (launch again with the rows in another
@@ -34,6 +36,7 @@ from benchmarks import worker  # noqa: E402  (selects this checkout's deepspeed.
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from deepspeed.compile.report import engine_report  # noqa: E402
 
 
 def build(args: argparse.Namespace, row: str, section: Dict, zero: Dict) -> Tuple[worker.Step, Optional[object]]:
@@ -139,6 +142,23 @@ def per_row(parser: argparse.ArgumentParser, flag: str, text: str, rows: List[st
     return values
 
 
+def comm_summary(before: Optional[Dict], after: Optional[Dict], steps: int) -> str:
+    """A DeepCompile row's collectives per timed step, from its engine reports before and after the ``steps``: the
+    time waited on them (exposed all-gather wait for ZeRO-3, reduce wait) and how many; empty for other rows."""
+    if before is None or after is None:
+        return ""
+
+    def per_step(key: str) -> float:
+        return (after.get(key, 0) - before.get(key, 0)) / steps
+
+    gathers = ""
+    if "gather_seconds" in after:
+        gathers = (f"all-gather wait {per_step('gather_seconds') * 1e3:.1f} ms "
+                   f"({per_step('allgather_collectives'):.0f} collectives), ")
+    return (f"; per step: {gathers}reduce wait {per_step('reduce_wait_seconds') * 1e3:.1f} ms "
+            f"({per_step('reduce_collectives'):.0f} collectives)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", "--row", required=True, help=f"comma-separated, of {', '.join(worker.ROWS)}")
@@ -205,6 +225,7 @@ def main() -> None:
         phases = [{phase: [] for phase in worker.PHASES} for _ in rows]
         steps: List[List[float]] = [[] for _ in rows]
         faults: List[List[int]] = [[] for _ in rows]
+        before = [engine_report(e) if e is not None else None for e in engines]
         for batch in timed:
             for r in range(len(rows)):
                 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -212,6 +233,7 @@ def main() -> None:
                 worker.train_step(built[r], batch, phase_times=phases[r])
                 steps[r].append(time.perf_counter() - t0)
                 faults[r].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        after = [engine_report(e) if e is not None else None for e in engines]
         if rank == 0:
             for r, label in enumerate(labels):
                 parts = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases[r].items())
@@ -220,7 +242,7 @@ def main() -> None:
                     ratios = [a / b for a, b in zip(steps[r], steps[0])]
                     ratio = f"; over the first row, per step: median {statistics.median(ratios):.3f}x"
                 print(f"{label}: step {statistics.median(steps[r]):.3f} s ({parts}){ratio}; "
-                      f"page faults {statistics.median(faults[r]):.0f}/step")
+                      f"page faults {statistics.median(faults[r]):.0f}/step{comm_summary(before[r], after[r], len(timed))}")
     dist.barrier()
     dist.destroy_process_group()
 

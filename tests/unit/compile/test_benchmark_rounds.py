@@ -102,3 +102,15 @@ def test_steady_step_reduction_timeline_is_summarized_by_position_over_steps():
     positions, total = summarize_timeline(steps)
     assert positions == [(0.11, 0.03), (0.30, 0.02)]
     assert total == pytest.approx(0.05)  # median of 0.03, 0.07, 0.05, 0.05
+
+
+def test_steady_step_comm_summary_is_per_timed_step_and_only_for_deepcompile_rows():
+    from benchmarks.steady_step import comm_summary
+    before = {"gather_seconds": 1.0, "allgather_collectives": 100, "reduce_wait_seconds": 0.5, "reduce_collectives": 10}
+    after = {"gather_seconds": 1.2, "allgather_collectives": 140, "reduce_wait_seconds": 0.54, "reduce_collectives": 20}
+    assert comm_summary(before, after, 4) == ("; per step: all-gather wait 50.0 ms (10 collectives), "
+                                              "reduce wait 10.0 ms (2 collectives)")
+    zero2 = {"reduce_wait_seconds": 0.0, "reduce_collectives": 0}  # ZeRO-1/2 reports have no gathers
+    assert comm_summary(zero2, {"reduce_wait_seconds": 0.3, "reduce_collectives": 15}, 3) == \
+        "; per step: reduce wait 100.0 ms (5 collectives)"
+    assert comm_summary(None, None, 4) == ""  # eager DeepSpeed, FSDP2 and local rows
