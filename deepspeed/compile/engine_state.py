@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Union
 
 from deepspeed.utils import logger
 
@@ -66,6 +66,45 @@ def check_compile_request(compile_config: CompileConfig, backend: str, schedule)
         raise ValueError(f"engine.compile(backend={backend!r}): DeepCompile supports 'eager' and 'inductor'")
 
 
+def inductor_settings(backend: str, compile_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The inductor config ``engine.compile(compile_kwargs=...)`` asks for with its ``mode`` and ``options`` (what
+    Accelerate passes from ``torch_compile_mode``), resolved and checked as plain ``torch.compile`` resolves them, so
+    a bad value raises a ``ValueError`` at ``engine.compile()``, before any step. With the eager backend they change
+    nothing, as with torch's own eager backend: a warning says so."""
+    mode, options = compile_kwargs.get("mode"), compile_kwargs.get("options")
+    if mode == "default":
+        mode = None
+    if mode is None and not options:
+        return {}
+    if mode is not None and options:
+        raise ValueError("engine.compile(compile_kwargs=...): give 'mode' or 'options', not both (as torch.compile)")
+    if backend != "inductor":
+        logger.warning(f"deepspeed-compile: compile_kwargs {'mode' if mode else 'options'} set inductor's settings "
+                       f"and do nothing with backend={backend!r}")
+        return {}
+    import torch
+    try:
+        return dict(torch._TorchCompileInductorWrapper(mode, options, compile_kwargs.get("dynamic")).config)
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise ValueError(f"engine.compile(compile_kwargs=...): {'mode' if mode else 'options'}: {err}") from err
+
+
+def warn_static_shapes(compile_kwargs: Dict[str, Any]) -> bool:
+    """``dynamic=False``: every new input shape compiles a graph, and a frame past dynamo's ``recompile_limit`` runs
+    eagerly. That is exact when every rank falls back at the same step, but ranks fed different lengths (a collator
+    padding each rank's batch to its own longest) reach the limit at different steps and then issue different
+    collectives: a hang. Warn once, at ``engine.compile()``; returns whether it warned."""
+    if compile_kwargs.get("dynamic") is not False:
+        return False
+    import torch
+    logger.warning("deepspeed-compile: compile_kwargs dynamic=False compiles a graph for every new input shape; a "
+                   f"frame past torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) runs "
+                   "eagerly, and if the ranks see different lengths they reach that limit at different steps and "
+                   "issue different collectives (a hang). Leave dynamic unset (one dynamic graph serves every length) "
+                   "or pad every rank's batches to the same few lengths")
+    return True
+
+
 def _check_options(compile_config: CompileConfig, backend: str, schedule) -> bool:
     """Refuse a bad request (ValueError) and say whether this module can run the configuration at all."""
     check_compile_request(compile_config, backend, schedule)
@@ -84,7 +123,8 @@ def _check_regions(engine, compile_config: CompileConfig) -> None:
         regions.check(engine.module)
 
 
-def _activate(engine, runtime, stage: int, backend: str, compile_config: CompileConfig) -> Callable:
+def _activate(engine, runtime, stage: int, backend: str, compile_config: CompileConfig,
+              inductor_config: Dict[str, Any]) -> Callable:
     from .capture.compiler import CompileStats, make_backend
     state = DeepCompileState(runtime, CompileStats(), stage)
     setattr(engine, ATTR, state)
@@ -99,18 +139,21 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
                      f"runs uncompiled eager ZeRO-{stage} from the next step on (engine.compile() tries again)")
         deactivate(engine, uncompile=True)
 
-    compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure)
+    compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config)
     if compile_config.regions == "blocks":
         from .capture import regions
         regions.install(engine.module, compile_graph, stage)
     return compile_graph
 
 
-def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=None) -> Optional[Callable]:
+def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=None,
+                compile_kwargs: Optional[Dict[str, Any]] = None) -> Optional[Callable]:
     """Give a ZeRO-3 engine its DeepCompile state and return the dynamo backend that compiles its graphs (None:
     fall back to plain ``torch.compile``)."""
     if not _check_options(compile_config, backend, schedule):
         return None
+    inductor_config = inductor_settings(backend, compile_kwargs or {})
+    warn_static_shapes(compile_kwargs or {})
     _check_regions(engine, compile_config)
     # imported here: these register the graph ops, which `import deepspeed` must not pay for
     from .capture import eager_hooks
@@ -119,19 +162,21 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
                         native_op=compile_config.native_op,
                         prefetch_across_graphs=compile_config.regions == "blocks")
     eager_hooks.switch_off(engine)
-    return _activate(engine, runtime, 3, backend, compile_config)
+    return _activate(engine, runtime, 3, backend, compile_config, inductor_config)
 
 
-def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=None,
-                 stage: int = 1) -> Optional[Callable]:
+def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=None, stage: int = 1,
+                 compile_kwargs: Optional[Dict[str, Any]] = None) -> Optional[Callable]:
     """Give a ZeRO-1 or ZeRO-2 engine its DeepCompile state (gradients handed to ZeRO's optimizer from inside the
     compiled backward, ``runtime/z12.py``) and return the dynamo backend that compiles its graphs."""
     if not _check_options(compile_config, backend, schedule):
         return None
+    inductor_config = inductor_settings(backend, compile_kwargs or {})
+    warn_static_shapes(compile_kwargs or {})
     _check_regions(engine, compile_config)
     from .runtime.z12 import Z12Runtime
     runtime = Z12Runtime(engine, stage=stage)
-    return _activate(engine, runtime, stage, backend, compile_config)
+    return _activate(engine, runtime, stage, backend, compile_config, inductor_config)
 
 
 def deactivate(engine, uncompile: bool = False) -> None:

@@ -4,4 +4,5 @@ from .engine_state import activate_z12
 
 
 def init_z1_and_2(engine, backend, compile_config, compile_kwargs, schedule=None, use_z2: bool = False):
-    return activate_z12(engine, backend, compile_config, schedule, stage=2 if use_z2 else 1)
+    return activate_z12(engine, backend, compile_config, schedule, stage=2 if use_z2 else 1,
+                        compile_kwargs=compile_kwargs)

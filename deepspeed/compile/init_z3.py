@@ -3,4 +3,4 @@ from .engine_state import activate_z3
 
 
 def init_z3(engine, backend, compile_config, compile_kwargs, schedule=None):
-    return activate_z3(engine, backend, compile_config, schedule)
+    return activate_z3(engine, backend, compile_config, schedule, compile_kwargs)

@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -70,8 +70,9 @@ class GraphCompiler:
 
     def __init__(self, runtime, stats: CompileStats, config: CompileConfig, backend: str,
                  param_ds_ids: List[Optional[int]], on_failure: Optional[Callable[[BaseException], None]] = None,
-                 grad_keys: Optional[List[Optional[int]]] = None):
+                 grad_keys: Optional[List[Optional[int]]] = None, inductor_config: Optional[Dict[str, Any]] = None):
         self.runtime = runtime
+        self.inductor_config = inductor_config or {}  # compile_kwargs' mode and options, resolved
         self.stats = stats
         self.on_failure = on_failure
         self.config = config
@@ -225,7 +226,9 @@ class GraphCompiler:
             if node.op == "call_function" and node.target in UNTRACED_CALLS:
                 node.target = UNTRACED_CALLS[node.target]
         gm.recompile()
-        with torch._inductor.config.patch(size_asserts=False) if handles else contextlib.nullcontext():
+        # the user's inductor settings again: AOTAutograd compiles the backward at its first run, after compile_graph
+        patches = {**self.inductor_config, **({"size_asserts": False} if handles else {})}
+        with torch._inductor.config.patch(patches):
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
 
 
@@ -324,10 +327,15 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
 
 
 def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: str,
-                 on_failure: Callable[[BaseException], None]):
-    """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module."""
+                 on_failure: Callable[[BaseException], None], inductor_config: Optional[Dict[str, Any]] = None):
+    """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module. Under inductor,
+    every graph compiles with ``inductor_config`` (``engine_state.inductor_settings``) patched into torch's inductor config."""
+    patched = functools.partial(torch._inductor.config.patch, inductor_config) if inductor_config else \
+        contextlib.nullcontext
 
-    def compile_graph(gm: GraphModule, example_inputs):
+    def compile_graph(gm: GraphModule, example_inputs, mode=None, options=None):
+        # ``mode`` and ``options``: torch.compile hands a callable backend those of compile_kwargs; the engine
+        # resolved them already (``inductor_config``), and graphs of ``regions: "blocks"`` get none from torch
         if not runtime.engine.is_deepcompile_active():
             # the engine went back to eager ZeRO-3 (a failed compile): plain torch.compile from here on
             return gm.forward
@@ -338,8 +346,10 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             uncompiled = GraphModule(gm, copy.deepcopy(gm.graph))  # the dynamo graph as traced, for other params
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()
-            compiler = GraphCompiler(runtime, stats, config, backend, param_ds_ids, on_failure, grad_keys)
-            compiled = _aot_compile(compiler, gm, example_inputs)
+            compiler = GraphCompiler(runtime, stats, config, backend, param_ds_ids, on_failure, grad_keys,
+                                     inductor_config)
+            with patched():  # inductor's joint-graph passes, the forward, and the cache's key see them too
+                compiled = _aot_compile(compiler, gm, example_inputs)
         except BaseException as err:
             on_failure(err)
             raise

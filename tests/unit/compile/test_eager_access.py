@@ -128,6 +128,48 @@ def test_new_sequence_length_every_step_compiles_at_most_twice():
         assert r["varlen"]["graphs"] <= 2 * r["fixed"]["graphs"], (r["varlen"]["graphs"], r["fixed"]["graphs"])
 
 
+def _length_by_rank(step):
+    import torch.distributed as dist
+    return 6 + step + 3 * dist.get_rank()  # a new length every step, and the two ranks' lengths differ
+
+
+def _rank1_varies(step):
+    import torch.distributed as dist
+    return 12 if dist.get_rank() == 0 else 6 + step  # rank 0 compiles once; rank 1 a static, then a dynamic graph
+
+
+def _lengths_differ_across_ranks(steps):
+    return {"by_rank": _pair("gpt2", steps, _length_by_rank), "rank1_varies": _pair("gpt2", steps, _rank1_varies)}
+
+
+def test_ranks_fed_different_lengths_train_exactly_without_hanging():
+    """A collator that pads each rank's batch to its own longest sequence: in one step the ranks' lengths differ,
+    and one rank may recompile where the other does not. Each rank's graphs gather the same parameters in the same
+    order whatever their shapes, so the collectives still match: exact parity, no hang."""
+    steps = 5
+    results = run_distributed(_lengths_differ_across_ranks, steps, timeout_s=400)
+    for r in results:
+        for case in ("by_rank", "rank1_varies"):
+            _check_exact(r[case], steps)
+            assert r[case]["eager_gathers"] == 0, case
+    graphs = [r["rank1_varies"]["graphs"] for r in results]
+    assert graphs[0] < graphs[1], graphs  # rank 1 compiled a graph rank 0 never needed, and they still agreed
+
+
+def test_static_shapes_warn_that_ranks_may_pass_the_recompile_limit_apart(caplog):
+    import logging
+    from deepspeed.compile.engine_state import warn_static_shapes
+    logger = logging.getLogger("DeepSpeed")
+    logger.addHandler(caplog.handler)
+    try:
+        assert not warn_static_shapes({}) and not warn_static_shapes({"dynamic": None})
+        assert not warn_static_shapes({"dynamic": True})
+        assert warn_static_shapes({"dynamic": False})
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "recompile_limit" in caplog.text and "different lengths" in caplog.text
+
+
 def _past_recompile_limit(steps):
     # static shapes and a small limit: from the third length on, dynamo runs the frames eagerly
     return _pair("gpt2", steps, _varlen, compile_kwargs={"dynamic": False}, dynamo_config={"recompile_limit": 2})

@@ -13,7 +13,10 @@ its update, adds).
 Under autocast(bf16) the bounds of test_pipeline.py apply (twice eager ZeRO-3's own bf16 gradient error against
 fp32; the step-0 loss within 2^-8, the others within 1e-2). SGD, so that parameters carry the gradients' scale.
 """
+import uuid
+
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from distributed import run_distributed
 from deepspeed.compile.engine_state import runtime_of  # noqa: E402
@@ -65,6 +68,21 @@ def test_inductor_matches_eager_zero3_and_saves_no_parameter():
         assert blocks["saved"]["param_bytes"] == 0 and blocks["live_after_step"] == [0] * STEPS
 
 
+class _CountingPass(CustomGraphPass):
+    """An inductor post-grad pass that changes nothing and counts the graphs it ran on. A fresh uuid per instance:
+    no cache entry stands in for compiling with it."""
+
+    def __init__(self):
+        self.graphs = 0
+        self._uuid = uuid.uuid4().hex
+
+    def __call__(self, graph):
+        self.graphs += 1
+
+    def uuid(self):
+        return self._uuid
+
+
 def _accumulation_and_checkpoint(ckpt_dir):
     """Gradient accumulation (2 micro-steps) against eager ZeRO-3, then a checkpoint round trip of the inductor
     engine: save after 2 steps, train 2, load, train the same 2 again."""
@@ -73,7 +91,12 @@ def _accumulation_and_checkpoint(ckpt_dir):
     from training import make_engine, train
     out = run_eager("gpt", 2, grad_accum=2, grad_steps=2, optimizer="sgd")
     engine = make_engine("gpt", ds_config(3, {"deepcompile": True}, grad_accum=2, optimizer="sgd"))
-    out.update(train_and_record(engine, "gpt", 2, 2, compile_kwargs={"backend": "inductor"}))
+    # inductor options as Accelerate passes them (compile_kwargs of engine.compile): a post-grad pass that changes
+    # nothing and counts the graphs inductor compiled with it
+    counting = _CountingPass()
+    out.update(train_and_record(engine, "gpt", 2, 2, compile_kwargs={
+        "backend": "inductor", "compile_kwargs": {"options": {"post_grad_custom_pre_pass": counting}}}))
+    out["graphs_with_options"] = counting.graphs
     engine.save_checkpoint(ckpt_dir, tag="inductor")
     saved = full_params(engine)
     out["after_save"] = train(engine, "gpt", 2, first_step=2)
@@ -86,9 +109,10 @@ def _accumulation_and_checkpoint(ckpt_dir):
     return out
 
 
-def test_inductor_gradient_accumulation_and_checkpoint(tmp_path):
+def test_inductor_gradient_accumulation_checkpoint_and_compile_options(tmp_path):
     for r in run_distributed(_accumulation_and_checkpoint, str(tmp_path), timeout_s=540):
         assert len(r["grads"]) == 4  # after each of the 4 backwards
+        assert r["graphs_with_options"] >= 2, r["graphs_with_options"]  # forward and backward got the options
         assert not torch.equal(r["grads"][0]["tok.weight"], r["grads"][1]["tok.weight"])  # accumulated
         print("fp32 accumulation:", check_fp32_close(r))
         assert r["restored_unequal"] == []
@@ -159,3 +183,30 @@ def test_compile_record_is_keyed_on_the_calling_context():
     keys["other settings"] = cache.record_key("k2", gm, inputs)
     assert len(set(keys.values())) == len(keys), keys
     assert cache.record_key("k", gm, inputs) == keys["plain"]  # and the same context gives the same record
+
+
+def test_compile_kwargs_mode_and_options_resolve_as_torch_compile_resolves_them(caplog):
+    """What engine.compile(compile_kwargs=...) gives inductor: torch.compile's own resolution of mode and options; a
+    bad value is refused at engine.compile(), naming the argument; with the eager backend a warning, nothing else."""
+    import logging
+    import pytest
+    from deepspeed.compile.engine_state import inductor_settings
+    assert inductor_settings("inductor", {}) == {} and inductor_settings("inductor", {"mode": "default"}) == {}
+    assert inductor_settings("inductor", {"dynamic": False}) == {}
+    assert inductor_settings("inductor", {"mode": "max-autotune-no-cudagraphs"}) == \
+        torch._TorchCompileInductorWrapper("max-autotune-no-cudagraphs", None, None).config
+    assert inductor_settings("inductor", {"mode": "max-autotune-no-cudagraphs"})["max_autotune"] is True
+    assert inductor_settings("inductor", {"options": {"epilogue_fusion": False}}) == {"epilogue_fusion": False}
+    with pytest.raises(ValueError, match="options.*no_such_option"):
+        inductor_settings("inductor", {"options": {"no_such_option": 1}})
+    with pytest.raises(ValueError, match="mode"):
+        inductor_settings("inductor", {"mode": "no-such-mode"})
+    with pytest.raises(ValueError, match="'mode' or 'options'"):
+        inductor_settings("inductor", {"mode": "max-autotune", "options": {"epilogue_fusion": False}})
+    logger = logging.getLogger("DeepSpeed")
+    logger.addHandler(caplog.handler)
+    try:
+        assert inductor_settings("eager", {"mode": "max-autotune"}) == {}
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "do nothing with backend='eager'" in caplog.text
