@@ -53,7 +53,7 @@ def main() -> None:
     param = torch.nn.Parameter(torch.randn(64))
     grad = torch.randn(64)
     cases = {ops.GATHER: (param, rid, 0, None, [], ""), ops.RELEASE: (param.detach(), rid, 0, []),
-             ops.REDUCE: (grad, rid, 0, param)}
+             ops.REDUCE: (grad, rid, 0, param, [])}
     with torch.no_grad():
         for op, args in cases.items():
             traced, untraced = per_call(op, args, calls), per_call(ops.UNTRACED_CALLS[op], args, calls)

@@ -17,8 +17,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..runtime.ops import GATHER, PARAM_GRAD, RELEASE, REDUCE, encode_plan
-from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_dtype, is_gather, is_reduce, is_release,
-                    joint_primals, output_args, output_node, placeholders, reader_outputs, set_gather_args, size_hint)
+from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_args, gather_dtype, is_gather, is_reduce,
+                    is_release, joint_primals, output_args, output_node, placeholders, reader_outputs, set_gather_args, size_hint)
 
 # Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
 META_ESCAPED_DS_ID = "dsc_escaped_ds_id"
@@ -105,6 +105,31 @@ def pin_gathers_pass(gm: GraphModule) -> GraphModule:
     return gm
 
 
+def chain_collectives_pass(gm: GraphModule) -> GraphModule:
+    """Make the graph's order of its collective ops (gathers and reduces) a chain of data dependencies: each waits
+    for the tensor of the one before it (a gather's result; a reduce's gradient, which the reduce mutates, so a later
+    reader comes after it). Every rank must issue its collectives in one order. Inductor reorders ops that do not
+    depend on each other (for peak memory, and as fusion moves nodes), by rules that depend on the shapes: ranks fed
+    different lengths compile different shapes, and without the chain their reduces came out in different orders
+    (a reduce-scatter of one rank met another's of a different size). For inductor's final graphs only: in graphs
+    run as Python the order is the graph's anyway, and the chain would hold each gradient until the next
+    collective."""
+    token: Optional[Node] = None
+    for node in gm.graph.nodes:
+        if is_gather(node):
+            after = list(gather_args(node)["after"])
+            if token is not None and token not in after:
+                set_gather_args(node, after=after + [token])
+            token = node
+        elif is_reduce(node):
+            grad, runtime_id, ds_id, param, after = node.args
+            if token is not None and token not in after:
+                node.args = (grad, runtime_id, ds_id, param, list(after) + [token])
+            token = grad
+    gm.graph.lint()
+    return gm
+
+
 def coalesce_gathers_pass(gm: GraphModule, *, bucket_numel: int) -> GraphModule:
     """Group the scheduled gathers into runs and gather each run in one collective, as eager ZeRO-3 prefetches up to
     ``stage3_prefetch_bucket_size``: walking the gathers in schedule order, a run takes the following gathers while it
@@ -179,7 +204,7 @@ def insert_reduces_pass(gm: GraphModule, *, runtime_id: int, grad_ds_ids: List[O
             grad, param = grad.args
         # as soon as the gradient exists: its reduce-scatter overlaps the rest of backward
         with graph.inserting_after(last_placeholder if grad.op == "placeholder" else grad):
-            graph.call_function(REDUCE, (grad, runtime_id, ds_id, param))
+            graph.call_function(REDUCE, (grad, runtime_id, ds_id, param, []))
         outputs[i] = None
     out_node.args = (tuple(outputs),)
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is PARAM_GRAD]:

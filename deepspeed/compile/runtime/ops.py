@@ -97,19 +97,21 @@ def _release_fake(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Ten
 
 
 @torch.library.custom_op("dsc::reduce_grad", mutates_args=("grad",))
-def reduce_grad(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor]) -> None:
+def reduce_grad(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor], after: List[Tensor]) -> None:
     """Queue the full gradient of a parameter for a bucketed reduce-scatter into its ZeRO partition. ZeRO-3: the
     parameter is the one ``param`` (its stand-in, a graph input) stands in for. ZeRO-1/2 (``param`` None): the
-    runtime's parameter ``ds_id`` (the graph is bound to its traced parameters, ``compiler.bind_to_traced_params``)."""
-    run_reduce(grad, runtime_id, ds_id, param)
+    runtime's parameter ``ds_id`` (the graph is bound to its traced parameters, ``compiler.bind_to_traced_params``).
+    ``after``: empty, or, in inductor's final graphs, the tensor of the collective op before it
+    (``rewrite.chain_collectives_pass``), so that inductor keeps the graph's collective order."""
+    run_reduce(grad, runtime_id, ds_id, param, after)
 
 
-def run_reduce(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor]) -> None:
+def run_reduce(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor], after: List[Tensor]) -> None:
     registry.lookup(runtime_id).reduce_op(grad, ds_id, param)
 
 
 @reduce_grad.register_fake
-def _reduce_fake(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor]) -> None:
+def _reduce_fake(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor], after: List[Tensor]) -> None:
     return None
 
 

@@ -94,7 +94,7 @@ def insert_zero3_ops(gm: GraphModule, runtime_id: int, num_params: int, backward
         for ds_id, grad in enumerate(grads[:num_params]):
             if isinstance(grad, Node):
                 with graph.inserting_after(grad):
-                    graph.call_function(REDUCE, (grad, runtime_id, ds_id, None))
+                    graph.call_function(REDUCE, (grad, runtime_id, ds_id, None, []))
     graph.lint()
     gm.recompile()
     return gm

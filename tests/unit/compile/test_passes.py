@@ -103,6 +103,29 @@ def test_insert_reduces_returns_none_and_reduces_each_parameter_gradient():
     assert sum(n.target is REDUCE for n in gm.graph.nodes) == 2
 
 
+def test_chain_collectives_makes_the_graph_order_of_gathers_and_reduces_data_dependencies():
+    runtime = FakeRuntime({5: torch.randn(4, 4)})
+
+    def bw(grad_out, x, standin):
+        w = GATHER(standin, runtime.id, 5, None, [], "")
+        return grad_out.t() @ x, grad_out.sum(0), grad_out @ w
+
+    gm = make_fx(bw)(torch.randn(2, 4), torch.randn(2, 4), torch.randn(4, 4))
+    gm = rewrite.insert_reduces_pass(gm, runtime_id=runtime.id, grad_ds_ids=[11, 12, None])
+    gm = rewrite.chain_collectives_pass(gm)
+    collectives = [n for n in gm.graph.nodes if n.target in (GATHER, REDUCE)]
+    assert [n.target for n in collectives][:1] == [GATHER] and len(collectives) == 3
+    for before, node in zip(collectives, collectives[1:]):
+        token = before if before.target is GATHER else before.args[0]  # a reduce's gradient, which it mutates
+        after = node.args[4]
+        assert token in after, (node, after)
+        # a dependency, not only a position: the token is among the node's inputs
+        assert token in node.all_input_nodes
+    assert collectives[0].args[4] == []  # the first waits for nothing
+    rewrite.chain_collectives_pass(gm)  # idempotent
+    assert [len(n.args[4]) for n in collectives] == [0, 1, 1]
+
+
 def test_saved_for_backward_splits_parameter_derived_bytes():
     def fw(standin, x):
         w = GATHER(standin, 1, 0, None, [], "")
@@ -197,7 +220,7 @@ def test_untraced_twins_have_the_ops_schemas_and_reach_the_same_runtime():
     with torch.no_grad():
         gathered = UNTRACED_CALLS[GATHER](param, runtime.id, 7, torch.bfloat16, [], "")
         UNTRACED_CALLS[RELEASE](gathered, runtime.id, 7, [])
-        UNTRACED_CALLS[REDUCE](grad, runtime.id, 7, param)
+        UNTRACED_CALLS[REDUCE](grad, runtime.id, 7, param, [])
     assert torch.equal(gathered, full.to(torch.bfloat16))
     assert runtime.ops() == [("gather", 7), ("release", 7), ("reduce", 7)]
     assert runtime.calls[1][2] == torch.bfloat16 and torch.equal(runtime.calls[2][2], grad)
