@@ -1,0 +1,120 @@
+"""DeepCompile as Hugging Face's Trainer sets DeepSpeed up, on a `transformers` Llama, against eager ZeRO-3 trained
+in the same process (2 gloo ranks).
+
+What Trainer writes for a ds_config of "auto" values on this model: buckets sized from the hidden size
+(``reduce_bucket_size`` hidden^2, ``stage3_prefetch_bucket_size`` 0.9 hidden^2, ``stage3_param_persistence_threshold``
+10 hidden), gradient clipping at 1.0, ``overlap_comm``, AdamW; the model with SDPA attention, its batches padded to
+each rank's own longest sequence with an attention mask (so the ranks' lengths differ within a step), and, where
+the user asks for it, gradient checkpointing.
+
+Tolerances. fp32, eager backend: the first step's gradients within 1e-5 relative, norm-wise per parameter
+(measured 3e-7), and every loss within 1e-5 relative (measured at most 2e-7): this model's joint graph sums some
+gradients in another order than eager autograd does, a round-off difference (fp32's epsilon is 6e-8, and the sums run
+over hundreds of terms). Parameters are not compared after AdamW: it divides each update by the root of its second
+moment, so a round-off difference in a tiny gradient moves that update by a visible fraction of the learning rate
+(measured 1.7e-5 absolute after 4 steps, lr 1e-3). bf16, inductor: losses within 1e-3 relative (measured 8e-5: inductor
+fuses the bf16 arithmetic differently; one bf16 rounding is 2^-8 = 4e-3 relative, and the loss is a mean over many).
+"""
+import torch
+
+from distributed import run_distributed
+
+HIDDEN = 64
+
+
+def _config(deepcompile: bool, bf16: bool):
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                                    "reduce_bucket_size": HIDDEN * HIDDEN,
+                                    "stage3_prefetch_bucket_size": int(0.9 * HIDDEN * HIDDEN),
+                                    "stage3_param_persistence_threshold": 10 * HIDDEN},
+              "steps_per_print": 1 << 30}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    if deepcompile:
+        config["compile"] = {"deepcompile": True}
+    return config
+
+
+def _padded_batch(step: int, rank: int):
+    """Padded to this rank's own longest sequence: the ranks' lengths differ within a step, and the second row is
+    right-padded (attention mask 0, label -100)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    seq = 16 + 4 * ((step + rank) % 3)
+    ids = torch.randint(1, 256, (2, seq), generator=g)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, seq - 5:] = 0
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool):
+    """Eager ZeRO-3, then DeepCompile, from the same initial model on the same batches."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+    from transformers import LlamaConfig, LlamaForCausalLM
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch._dynamo.reset()
+    out = {}
+    for deepcompile in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=256, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=False))
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                          config=_config(deepcompile, bf16))
+        if deepcompile:
+            engine.compile(backend=backend)
+        losses = []
+        for step in range(steps):
+            ids, mask, labels = _padded_batch(step, dist.get_rank())
+            loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
+            engine.backward(loss)
+            if step == 0:
+                first_grads = {n: safe_get_full_grad(p).float().clone() for n, p in engine.module.named_parameters()}
+            engine.step()
+            losses.append(loss.item())
+        key = "compiled" if deepcompile else "eager"
+        out[key] = losses
+        out[key + "_grads"] = first_grads
+        if deepcompile:
+            from deepspeed.compile.report import engine_report
+            out["active"] = engine.is_deepcompile_active()
+            out["report"] = engine_report(engine)
+        engine.destroy()
+    return out
+
+
+def _max_rel(a, b):
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+def _eager_backend_cases(steps):
+    return {"plain": _train(steps, "eager", bf16=False, gradient_checkpointing=False),
+            "checkpointing": _train(steps, "eager", bf16=False, gradient_checkpointing=True)}
+
+
+def test_eager_backend_fp32_with_and_without_gradient_checkpointing():
+    steps = 4
+    for by_case in run_distributed(_eager_backend_cases, steps, timeout_s=400):
+        for case, r in by_case.items():
+            assert r["active"], case
+            assert r["report"]["gathers"] > 0 and r["report"]["eager_gathers"] == 0, (case, r["report"])
+            assert _max_rel(r["eager"], r["compiled"]) <= 1e-5, (case, r["eager"], r["compiled"])
+            eager, compiled = r["eager_grads"], r["compiled_grads"]
+            worst = max(((compiled[k] - eager[k]).norm() / eager[k].norm()).item() for k in eager)
+            assert worst <= 1e-5, (case, worst)
+
+
+def test_inductor_bf16_with_lengths_differing_across_ranks():
+    """Each rank compiles its own shapes, and inductor orders ops by shape-dependent rules: without
+    ``chain_collectives_pass`` the two ranks' backward graphs issued their reduces in different orders and a
+    reduce-scatter met one of another size (a gloo size mismatch)."""
+    steps = 4
+    for r in run_distributed(_train, steps, "inductor", True, False, timeout_s=500):
+        assert r["active"]
+        assert _max_rel(r["eager"], r["compiled"]) <= 1e-3, (r["eager"], r["compiled"])
