@@ -130,7 +130,8 @@ def _speedup(r: Dict[str, Any], group: List[Dict[str, Any]]) -> Optional[float]:
 # baselines: (row, baseline)
 BASELINES = (("ours-mincut", "zero3"), ("ours-mincut", "fsdp2"), ("ours-mincut", "ours-default"),
              ("ours-regather", "zero3"), ("ours-mincut", "ours-regather"), ("ours-zero1", "zero1"),
-             ("ours-zero2", "zero2"), ("ours-zero2", "zero2+compile"), ("local", "zero3"), ("local", "zero2"))
+             ("ours-zero2", "zero2"), ("ours-zero2", "zero2+compile"), ("ours-zero2-default", "zero2"),
+             ("ours-zero2-default", "ours-zero2"), ("local", "zero3"), ("local", "zero2"))
 
 
 def ratios(results: List[Dict[str, Any]]) -> str:
