@@ -241,8 +241,9 @@ def main() -> None:
                 if r:
                     ratios = [a / b for a, b in zip(steps[r], steps[0])]
                     ratio = f"; over the first row, per step: median {statistics.median(ratios):.3f}x"
+                comm = comm_summary(before[r], after[r], len(timed))
                 print(f"{label}: step {statistics.median(steps[r]):.3f} s ({parts}){ratio}; "
-                      f"page faults {statistics.median(faults[r]):.0f}/step{comm_summary(before[r], after[r], len(timed))}")
+                      f"page faults {statistics.median(faults[r]):.0f}/step{comm}")
     dist.barrier()
     dist.destroy_process_group()
 

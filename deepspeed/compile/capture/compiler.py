@@ -330,7 +330,8 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
 def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: str,
                  on_failure: Callable[[BaseException], None], inductor_config: Optional[Dict[str, Any]] = None):
     """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module. Under inductor,
-    every graph compiles with ``inductor_config`` (``engine_state.inductor_settings``) patched into torch's inductor config."""
+    every graph compiles with ``inductor_config`` (``engine_state.inductor_settings``) patched into inductor's
+    config."""
     patched = functools.partial(torch._inductor.config.patch, inductor_config) if inductor_config else \
         contextlib.nullcontext
 

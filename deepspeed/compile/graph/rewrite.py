@@ -18,7 +18,8 @@ from torch.fx import GraphModule, Node
 
 from ..runtime.ops import GATHER, PARAM_GRAD, RELEASE, REDUCE, encode_plan
 from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_args, gather_dtype, is_gather, is_reduce,
-                    is_release, joint_primals, output_args, output_node, placeholders, reader_outputs, set_gather_args, size_hint)
+                    is_release, joint_primals, output_args, output_node, placeholders, reader_outputs, set_gather_args,
+                    size_hint)
 
 # Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
 META_ESCAPED_DS_ID = "dsc_escaped_ds_id"

@@ -1,7 +1,8 @@
 """The pipeline under ``backend="inductor"``, against eager ZeRO-3 trained in the same process (2 gloo ranks).
 
-Inductor compiles take 30-60 s per configuration on 2 CPU cores: two tests, each one spawned run (the first also
-compiles the model block by block, ``regions: "blocks"``, in fp32).
+Inductor compiles take 30-60 s per configuration on 2 CPU cores: each 2-rank test is one spawned run (the first
+also compiles the model block by block, ``regions: "blocks"``, in fp32; the checkpoint test compiles with a
+``compile_kwargs`` inductor option; the warm-process test runs three in turn).
 
 Tolerances: inductor fuses and reorders fp32 arithmetic (layer-norm and softmax reductions, fused matmul
 epilogues), so results are not bitwise equal to eager ZeRO-3. In fp32, gradients (after each backward of the first

@@ -12,9 +12,10 @@ Tolerances. fp32, eager backend: the first step's gradients within 1e-5 relative
 gradients in another order than eager autograd does, a round-off difference (fp32's epsilon is 6e-8, and the sums run
 over hundreds of terms). Parameters are not compared after AdamW: it divides each update by the root of its second
 moment, so a round-off difference in a tiny gradient moves that update by a visible fraction of the learning rate
-(measured 1.7e-5 absolute after 4 steps, lr 1e-3). The other model families, fp32, eager backend: every loss within
-1e-5 relative, for the same reason (measured at most 2.6e-7, Mixtral). bf16, inductor: losses within 1e-3 relative (measured 8e-5: inductor
-fuses the bf16 arithmetic differently; one bf16 rounding is 2^-8 = 4e-3 relative, and the loss is a mean over many).
+(measured 1.7e-5 absolute after 4 steps, lr 1e-3). The other model families, fp32, eager backend: every loss
+within 1e-5 relative, for the same reason (measured at most 2.6e-7, Mixtral). bf16, inductor: losses within 1e-3
+relative (measured 8e-5: inductor fuses the bf16 arithmetic differently; one bf16 rounding is 2^-8 = 4e-3 relative,
+and the loss is a mean over many).
 """
 import torch
 
