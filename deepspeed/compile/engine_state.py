@@ -105,6 +105,14 @@ def warn_static_shapes(compile_kwargs: Dict[str, Any]) -> bool:
     return True
 
 
+def _compile_kwargs_settings(backend: str, compile_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """What ``engine.compile(compile_kwargs=...)`` means for our graphs, checked before any state changes: the
+    inductor config of its mode and options, and the warning about static shapes."""
+    compile_kwargs = compile_kwargs or {}
+    warn_static_shapes(compile_kwargs)
+    return inductor_settings(backend, compile_kwargs)
+
+
 def _check_options(compile_config: CompileConfig, backend: str, schedule) -> bool:
     """Refuse a bad request (ValueError) and say whether this module can run the configuration at all."""
     check_compile_request(compile_config, backend, schedule)
@@ -152,8 +160,7 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
     fall back to plain ``torch.compile``)."""
     if not _check_options(compile_config, backend, schedule):
         return None
-    inductor_config = inductor_settings(backend, compile_kwargs or {})
-    warn_static_shapes(compile_kwargs or {})
+    inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
     _check_regions(engine, compile_config)
     # imported here: these register the graph ops, which `import deepspeed` must not pay for
     from .capture import eager_hooks
@@ -171,8 +178,7 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
     compiled backward, ``runtime/z12.py``) and return the dynamo backend that compiles its graphs."""
     if not _check_options(compile_config, backend, schedule):
         return None
-    inductor_config = inductor_settings(backend, compile_kwargs or {})
-    warn_static_shapes(compile_kwargs or {})
+    inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
     _check_regions(engine, compile_config)
     from .runtime.z12 import Z12Runtime
     runtime = Z12Runtime(engine, stage=stage)

@@ -9,7 +9,6 @@ Per dynamo graph (one per graph break) a :class:`GraphCompiler` runs, in order:
 The compiler owns what compiling tells about the graphs (:class:`CompileStats`, one per engine); the runtime it
 compiles for owns communication and buffers only.
 """
-import contextlib
 import copy
 import functools
 import logging
@@ -332,8 +331,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
     """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module. Under inductor,
     every graph compiles with ``inductor_config`` (``engine_state.inductor_settings``) patched into inductor's
     config."""
-    patched = functools.partial(torch._inductor.config.patch, inductor_config) if inductor_config else \
-        contextlib.nullcontext
+    inductor_config = inductor_config or {}
 
     def compile_graph(gm: GraphModule, example_inputs, mode=None, options=None):
         # ``mode`` and ``options``: torch.compile hands a callable backend those of compile_kwargs; the engine
@@ -350,7 +348,8 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             gm.recompile()
             compiler = GraphCompiler(runtime, stats, config, backend, param_ds_ids, on_failure, grad_keys,
                                      inductor_config)
-            with patched():  # inductor's joint-graph passes, the forward, and the cache's key see them too
+            # inductor's joint-graph passes, the forward, and the cache's key see them too
+            with torch._inductor.config.patch(inductor_config):
                 compiled = _aot_compile(compiler, gm, example_inputs)
         except BaseException as err:
             on_failure(err)

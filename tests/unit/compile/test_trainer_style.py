@@ -50,10 +50,25 @@ def _padded_batch(step: int, rank: int):
     return ids, mask, ids.masked_fill(mask == 0, -100)
 
 
+def _train_steps(engine, steps: int, after_backward=None):
+    """``steps`` optimizer steps on this rank's padded batches; the losses. ``after_backward(step)`` runs between each
+    backward and ``engine.step()``."""
+    import torch.distributed as dist
+    losses = []
+    for step in range(steps):
+        ids, mask, labels = _padded_batch(step, dist.get_rank())
+        loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
+        engine.backward(loss)
+        if after_backward is not None:
+            after_backward(step)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool):
     """Eager ZeRO-3, then DeepCompile, from the same initial model on the same batches."""
     import deepspeed
-    import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
     from transformers import LlamaConfig, LlamaForCausalLM
     deepspeed.init_distributed(dist_backend="gloo")
@@ -71,17 +86,15 @@ def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool):
                                           config=_config(deepcompile, bf16))
         if deepcompile:
             engine.compile(backend=backend)
-        losses = []
-        for step in range(steps):
-            ids, mask, labels = _padded_batch(step, dist.get_rank())
-            loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
-            engine.backward(loss)
+        first_grads = {}
+
+        def keep_first_grads(step):
             if step == 0:
-                first_grads = {n: safe_get_full_grad(p).float().clone() for n, p in engine.module.named_parameters()}
-            engine.step()
-            losses.append(loss.item())
+                first_grads.update({n: safe_get_full_grad(p).float().clone()
+                                    for n, p in engine.module.named_parameters()})
+
         key = "compiled" if deepcompile else "eager"
-        out[key] = losses
+        out[key] = _train_steps(engine, steps, after_backward=keep_first_grads)
         out[key + "_grads"] = first_grads
         if deepcompile:
             from deepspeed.compile.report import engine_report
@@ -149,7 +162,6 @@ def _family(name: str):
 
 def _families(steps):
     import deepspeed
-    import torch.distributed as dist
     deepspeed.init_distributed(dist_backend="gloo")
     out = {}
     for name in ("mixtral", "qwen2moe", "gemma", "bert", "peft_like"):
@@ -160,14 +172,7 @@ def _families(steps):
                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
             if deepcompile:
                 engine.compile(backend="eager")
-            losses = []
-            for step in range(steps):
-                ids, mask, labels = _padded_batch(step, dist.get_rank())
-                loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            out[(name, deepcompile)] = losses
+            out[(name, deepcompile)] = _train_steps(engine, steps)
             if deepcompile:
                 from deepspeed.compile.report import engine_report
                 out[(name, "active")] = engine.is_deepcompile_active()
