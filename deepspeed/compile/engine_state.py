@@ -218,6 +218,9 @@ def forward_context(engine) -> Iterator[None]:
         deactivate(engine)
         yield None
         return
+    if state.stage == 3:
+        from .capture import eager_hooks
+        eager_hooks.drop_reregistered(engine)
     with state.runtime.forward_context():
         yield None
 

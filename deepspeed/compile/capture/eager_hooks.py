@@ -9,11 +9,18 @@ autograd function gathers the weight in its backward; dynamo cannot trace that. 
 (``torch.compiler.substitute_in_graph``) to trace it as the linear it computes, inside compiled graphs only, where
 the weight is the graph's own gather. Code run eagerly keeps ZeRO-3's wrapper. The substitution is registered once
 per process and holds for every engine alike, so no engine changes what another one sees.
+
+Code outside the engine may put ZeRO-3's module hooks back while DeepCompile is active: TRL generates between
+training steps inside ``GatheredParameters`` and then calls the offload's ``_register_deepspeed_module`` again. Left
+in place, those hooks would gather on top of the graphs' ops and, being new closures every time, fail dynamo's
+guards and recompile each step until dynamo gives up and runs the model eagerly. :func:`drop_reregistered` takes
+them off again before each forward.
 """
 import functools
 
 import torch
 from deepspeed.runtime.zero.linear import zero3_linear_wrap
+from deepspeed.utils import logger
 
 _OFF = "_dsc_eager_hooks_off"
 
@@ -31,9 +38,8 @@ def switch_off(engine) -> None:
         return
     optimizer = engine.optimizer
     offload = optimizer.parameter_offload
-    offload._remove_module_hooks()
-    offload.forward_hooks.clear()
-    offload.backward_hooks.clear()
+    offload.fwd_pre_hook.remove()
+    _remove_module_hooks(offload)
     for hook in optimizer._grad_acc_hooks:
         hook.remove()
     optimizer._grad_acc_hooks.clear()
@@ -41,6 +47,25 @@ def switch_off(engine) -> None:
         hook.remove()
     optimizer._leaf_module_hooks.clear()
     setattr(engine, _OFF, True)
+
+
+def _remove_module_hooks(offload) -> None:
+    for hook in offload.forward_hooks + offload.backward_hooks:
+        hook.remove()
+    offload.forward_hooks.clear()
+    offload.backward_hooks.clear()
+
+
+def drop_reregistered(engine) -> None:
+    """Take off ZeRO-3 module hooks that something re-registered since :func:`switch_off` (no-op when none)."""
+    if not getattr(engine, _OFF, False):
+        return
+    offload = engine.optimizer.parameter_offload
+    if offload.forward_hooks or offload.backward_hooks:
+        logger.info(f"deepspeed-compile: removing {len(offload.forward_hooks)} forward and "
+                    f"{len(offload.backward_hooks)} backward ZeRO-3 module hooks registered again while "
+                    f"DeepCompile is active (its graphs gather and release the parameters)")
+        _remove_module_hooks(offload)
 
 
 def switch_on(engine) -> None:
