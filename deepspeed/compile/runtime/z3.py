@@ -588,10 +588,13 @@ class Z3Runtime:
 
     @contextmanager
     def forward_context(self):
-        absent = [p for p in self.persistent if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-        if absent:  # first step, or after something partitioned them (checkpointing): one coalesced ZeRO-3 gather
-            absent[0].all_gather(param_list=absent)
-        standins.install(self.sharded.values())
+        # Both are kept across steps, so never made as inference tensors (under an eval's torch.inference_mode): a
+        # later training step saves them for backward, which autograd refuses for inference tensors.
+        with torch.inference_mode(False):
+            absent = [p for p in self.persistent if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+            if absent:  # first step, or after something partitioned them (checkpointing): one coalesced gather
+                absent[0].all_gather(param_list=absent)
+            standins.install(self.sharded.values())
         for params in self._param_dicts:
             params._in_forward = True  # ZeRO-3 gathers a parameter read outside the graphs (eager_access.py)
         self._forward_running = True

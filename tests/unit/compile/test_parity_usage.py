@@ -16,20 +16,35 @@ from deepspeed.compile.engine_state import runtime_of  # noqa: E402
 
 
 # ----- evaluation between training steps -----------------------------------------------------------------------
-def _eval_between_steps(compile_section):
-    """Train 4 steps; after steps 1 and 3, engine.eval() and a no_grad forward on a held-out batch, then train."""
+def _eval_between_steps(compile_section, grad_mode: str, persistence_threshold: int):
+    """Train 4 steps; before step 0 and after steps 1 and 3, engine.eval() and a forward on a held-out batch under
+    ``grad_mode`` (``torch.no_grad`` or ``torch.inference_mode``), then train."""
     import torch.distributed as dist
     from compare import buffers, full_grads, full_params
     from models import ds_config, make_batch
     from training import make_engine
     torch._dynamo.reset()
-    engine = make_engine("buffers", ds_config(3, compile_section))
+    engine = make_engine("buffers", ds_config(3, compile_section, persistence_threshold=persistence_threshold))
     if compile_section:
         engine.compile(backend="eager")
     runtime = runtime_of(engine, active_only=False)
     rank = dist.get_rank()
     out = {"losses": [], "eval_losses": [], "grads": [], "eval_gathers": [], "live_after_eval": [],
-           "buffers_around_eval": []}
+           "buffers_around_eval": [], "persistent": sum(p.ds_persist for p in engine.module.parameters())}
+
+    def evaluate():
+        before = buffers(engine)
+        gathers = runtime.counters.gathers if runtime else 0
+        engine.eval()
+        with getattr(torch, grad_mode)():
+            out["eval_losses"].append(engine(*make_batch("buffers", 999, rank)).item())
+        engine.train()
+        out["buffers_around_eval"].append((before, buffers(engine)))
+        if runtime:
+            out["eval_gathers"].append(runtime.counters.gathers - gathers)
+            out["live_after_eval"].append(runtime.counters.live_gathered_bytes)
+
+    evaluate()
     for step in range(4):
         loss = engine(*make_batch("buffers", step, rank))
         engine.backward(loss)
@@ -37,41 +52,39 @@ def _eval_between_steps(compile_section):
         engine.step()
         out["losses"].append(loss.item())
         if step in (1, 3):
-            before = buffers(engine)
-            gathers = runtime.counters.gathers if runtime else 0
-            engine.eval()
-            with torch.no_grad():
-                out["eval_losses"].append(engine(*make_batch("buffers", 999, rank)).item())
-            engine.train()
-            out["buffers_around_eval"].append((before, buffers(engine)))
-            if runtime:
-                out["eval_gathers"].append(runtime.counters.gathers - gathers)
-                out["live_after_eval"].append(runtime.counters.live_gathered_bytes)
+            evaluate()
     out.update(params=full_params(engine), buffers=buffers(engine), training=engine.module.training,
                active=engine.is_deepcompile_active())
     engine.destroy()
     return out
 
 
-def _eval_pair():
-    return _eval_between_steps(None), _eval_between_steps({"deepcompile": True})
+def _eval_pairs():
+    """no_grad with every parameter sharded; inference_mode with persistent parameters, which the first (eval)
+    forward gathers and keeps for the training steps after it (they were kept as inference tensors, and the first
+    training step failed: "Inference tensors cannot be saved for backward")."""
+    cases = {"no_grad": ("no_grad", 0), "inference_mode": ("inference_mode", 100)}
+    return {case: (_eval_between_steps(None, *args), _eval_between_steps({"deepcompile": True}, *args))
+            for case, args in cases.items()}
 
 
 def test_eval_between_training_steps_matches_eager_zero3():
     from compare import unequal
-    for eager, compiled in run_distributed(_eval_pair):
-        assert compiled["active"] and compiled["training"]
-        assert compiled["eval_gathers"][0] > 0 and compiled["live_after_eval"] == [0, 0], compiled
-        assert compiled["losses"] == eager["losses"]
-        assert compiled["eval_losses"] == eager["eval_losses"]
-        # the eval forward used the running statistics and left them alone
-        for before, after in compiled["buffers_around_eval"]:
-            assert not unequal(before, after)
-        for i, (g, eg) in enumerate(zip(compiled["grads"], eager["grads"])):
-            assert not unequal(g, eg), f"step {i}: gradients differ for {unequal(g, eg)}"
-        assert not unequal(compiled["params"], eager["params"])
-        assert not unequal(compiled["buffers"], eager["buffers"])
-        assert all(math.isfinite(x) for x in compiled["eval_losses"])
+    for by_case in run_distributed(_eval_pairs):
+        for case, (eager, compiled) in by_case.items():
+            assert compiled["active"] and compiled["training"], case
+            assert (compiled["persistent"] > 0) == (case == "inference_mode"), (case, compiled["persistent"])
+            assert compiled["eval_gathers"][0] > 0 and compiled["live_after_eval"] == [0, 0, 0], (case, compiled)
+            assert compiled["losses"] == eager["losses"], case
+            assert compiled["eval_losses"] == eager["eval_losses"], case
+            # the eval forward used the running statistics and left them alone
+            for before, after in compiled["buffers_around_eval"]:
+                assert not unequal(before, after), case
+            for i, (g, eg) in enumerate(zip(compiled["grads"], eager["grads"])):
+                assert not unequal(g, eg), f"{case}, step {i}: gradients differ for {unequal(g, eg)}"
+            assert not unequal(compiled["params"], eager["params"]), case
+            assert not unequal(compiled["buffers"], eager["buffers"]), case
+            assert all(math.isfinite(x) for x in compiled["eval_losses"]), case
 
 
 # ----- buffers and a parameter registered in two modules ------------------------------------------------------
