@@ -148,10 +148,48 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         deactivate(engine, uncompile=True)
 
     compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config)
+    if stage == 3:
+        _prepare_direct_calls(engine)
     if compile_config.regions == "blocks":
         from .capture import regions
         regions.install(engine.module, compile_graph, stage)
     return compile_graph
+
+
+def _prepare_direct_calls(engine) -> None:
+    """Make ``engine.module(...)`` called directly, not through the engine, run in a forward context too.
+
+    Hugging Face's Trainer evaluates by calling the module, and ``generate`` calls it once per token. The engine's
+    forward installs the stand-ins dynamo traces the partitioned parameters with; a direct call skipped that, and
+    dynamo traced ZeRO-3's empty ``.data`` (an embedding "must be 2-D" error). The engine compiles its module
+    right after this returns, with ``engine.module.compile(...)``: an instance attribute shadows that method once,
+    compiles, and wraps the compiled call, which :func:`direct_call_context` then enters."""
+    module = engine.module
+
+    def compile_and_wrap(*args, **kwargs) -> None:
+        del module.compile
+        module.compile(*args, **kwargs)
+        compiled_call = module._compiled_call_impl
+
+        def call(*call_args, **call_kwargs):
+            with direct_call_context(engine):
+                return compiled_call(*call_args, **call_kwargs)
+
+        module._compiled_call_impl = call
+
+    module.compile = compile_and_wrap
+
+
+@contextmanager
+def direct_call_context(engine) -> Iterator[None]:
+    """A call of the compiled ``engine.module``: inside the engine's forward (or after the engine left DeepCompile)
+    nothing more; called directly, the forward context the engine's forward would have entered."""
+    state = state_of(engine, active_only=False)
+    if state is None or state.runtime.forward_running:
+        yield None
+        return
+    with forward_context(engine):
+        yield None
 
 
 def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=None,

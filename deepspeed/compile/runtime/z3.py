@@ -586,6 +586,10 @@ class Z3Runtime:
         """For every graph input, the ds_id whose gradient the backward graph reduces (the gathered parameters)."""
         return self.param_ds_ids(inputs)
 
+    @property
+    def forward_running(self) -> bool:
+        return self._forward_running
+
     @contextmanager
     def forward_context(self):
         # Both are kept across steps, so never made as inference tensors (under an eval's torch.inference_mode): a
