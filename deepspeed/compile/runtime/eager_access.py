@@ -75,6 +75,7 @@ class EagerAccess:
         self.gathered: Dict[int, Parameter] = {}
         self._hooks = []
         self._reported = set()  # dynamo's reasons already named in a warning
+        self.outside = False  # the forward running now is a submodule called outside any forward (runtime/z3.py)
         self._warned_reuse = False
 
     # ----- the contract ZeROOrderedDict.__getitem__ calls ------------------------------------------------
@@ -84,6 +85,8 @@ class EagerAccess:
         self.gathered[param.ds_id] = param
         self._on_use(param)
         self._on_live_bytes(param.data.numel() * param.data.element_size())
+        if self.outside:
+            return  # a submodule called outside the forward runs uncompiled by design, as in eager ZeRO-3
         reasons = [r for r in _dynamo_reasons() if r not in self._reported]
         if reasons or not self._reported:
             self._reported.update(reasons or ["(no reason recorded by dynamo)"])

@@ -9,7 +9,7 @@ optimizer's data-parallel group; gloo has no AVG, so gradients are pre-divided a
 import datetime
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -161,6 +161,13 @@ class Z3Runtime:
         self.eager.install_grad_hooks()
         # the parameter dicts ZeRO-3 gathers from on access while marked in forward (see eager_access.py)
         self._param_dicts = [m._parameters for m in engine.module.modules() if hasattr(m._parameters, "_in_forward")]
+        # the submodules that own parameters: between forwards each carries two hooks (see _install_outside_hooks)
+        self._owners = [m for m in engine.module.modules()
+                        if m is not engine.module and any(True for _ in m.parameters(recurse=False))]
+        self._outside_hooks: List = []
+        self._outside_depth = 0  # nested submodule calls of the outside call running now
+        self._outside_exit: Optional[ExitStack] = None
+        self._install_outside_hooks()
         self.id = registry.register(self)
 
     def prefetch_bucket_bytes(self) -> int:
@@ -574,6 +581,7 @@ class Z3Runtime:
             self.input_cast_hook = None
         self.eager.release()
         self.eager.remove_grad_hooks()
+        self._remove_outside_hooks()
         standins.uninstall(self.params.values())
 
     def prepare_uncompiled(self, params: List[Parameter]) -> None:
@@ -586,22 +594,68 @@ class Z3Runtime:
         """For every graph input, the ds_id whose gradient the backward graph reduces (the gathered parameters)."""
         return self.param_ds_ids(inputs)
 
+    # ----- calls of submodules outside a forward ---------------------------------------------------------
+    # Eager ZeRO-3 gathers a module's parameters whenever the module is called, so code may call a submodule
+    # itself between steps: an embedding for ``inputs_embeds``, the backbone of a model with a head,
+    # ``model.forward(...)``. Here ZeRO-3's module hooks are off, so between forwards every submodule that owns
+    # parameters carries two hooks of ours instead: its call, outermost, runs as a forward of its own (the forward
+    # context below: parameters read are gathered on access, their gradients reduced in the next backward, all
+    # released after it, or at once under no_grad), uncompiled as in eager ZeRO-3. A module without parameters of
+    # its own (a backbone) needs none: the calls it makes are hooked. The compiled forward takes the hooks off
+    # first, since dynamo must not trace them (putting them back costs about 7 us per module and step). The root
+    # module is not hooked: its compiled call enters the forward context itself
+    # (``engine_state.direct_call_context``).
+    def _install_outside_hooks(self) -> None:
+        if self._outside_hooks:
+            return
+        for module in self._owners:
+            self._outside_hooks.append(module.register_forward_pre_hook(self._outside_call_starts))
+            self._outside_hooks.append(module.register_forward_hook(self._outside_call_ends, always_call=True))
+
+    def _remove_outside_hooks(self) -> None:
+        for hook in self._outside_hooks:
+            hook.remove()
+        self._outside_hooks.clear()
+
+    def _outside_call_starts(self, module, args) -> None:
+        # a backward recomputing a checkpointed module (torch.utils.checkpoint) is part of the step it belongs to
+        if self._outside_depth == 0 and (self._forward_running or torch._C._current_graph_task_id() != -1):
+            return
+        self._outside_depth += 1
+        if self._outside_depth == 1:
+            self._outside_exit = ExitStack()
+            self._outside_exit.enter_context(self.forward_context(outside=True))
+
+    def _outside_call_ends(self, module, args, output) -> None:
+        if self._outside_depth == 0:
+            return
+        self._outside_depth -= 1
+        if self._outside_depth == 0:
+            exit_stack, self._outside_exit = self._outside_exit, None
+            exit_stack.close()
+
     @property
     def forward_running(self) -> bool:
         return self._forward_running
 
     @contextmanager
-    def forward_context(self):
+    def forward_context(self, outside: bool = False):
+        """One forward: the compiled model's (through the engine or a direct call of the module), or with
+        ``outside`` a submodule called outside any forward."""
+        if not outside:
+            self._remove_outside_hooks()
         # Both are kept across steps, so never made as inference tensors (under an eval's torch.inference_mode): a
         # later training step saves them for backward, which autograd refuses for inference tensors.
         with torch.inference_mode(False):
             absent = [p for p in self.persistent if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
             if absent:  # first step, or after something partitioned them (checkpointing): one coalesced gather
                 absent[0].all_gather(param_list=absent)
-            standins.install(self.sharded.values())
+            # not over parameters gathered for eager code whose backward is still to come (an outside call)
+            standins.install(p for p in self.sharded.values() if p.ds_id not in self.eager.gathered)
         for params in self._param_dicts:
             params._in_forward = True  # ZeRO-3 gathers a parameter read outside the graphs (eager_access.py)
         self._forward_running = True
+        self.eager.outside = outside
         try:
             with self.eager.activated():
                 yield
@@ -611,8 +665,11 @@ class Z3Runtime:
             raise
         finally:
             self._forward_running = False
+            self.eager.outside = False
             for params in self._param_dicts:
                 params._in_forward = False
+            if not outside:
+                self._install_outside_hooks()
         self._backward_pending = torch.is_grad_enabled()
         if not self._backward_pending:  # no backward will come to end this step
             self._end_of_step(learn=False)
