@@ -650,8 +650,10 @@ class Z3Runtime:
             absent = [p for p in self.persistent if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
             if absent:  # first step, or after something partitioned them (checkpointing): one coalesced gather
                 absent[0].all_gather(param_list=absent)
-            # not over parameters gathered for eager code whose backward is still to come (an outside call)
-            standins.install(p for p in self.sharded.values() if p.ds_id not in self.eager.gathered)
+            # Not over parameters gathered for eager code whose backward is still to come (an outside call). An
+            # outside call runs uncompiled: a parameter someone holds gathered (GatheredParameters) is read as it is.
+            standins.install(p for p in self.sharded.values() if p.ds_id not in self.eager.gathered and not (
+                outside and p.ds_status == ZeroParamStatus.AVAILABLE))
         for params in self._param_dicts:
             params._in_forward = True  # ZeRO-3 gathers a parameter read outside the graphs (eager_access.py)
         self._forward_running = True

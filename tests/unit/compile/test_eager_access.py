@@ -262,7 +262,8 @@ def _outside_calls():
     """A `transformers` Llama whose parameters are all sharded, one training step, then what code does between steps
     with eager ZeRO-3's module hooks in mind: under no_grad, the embedding called on its own, the backbone
     without the head, and ``model.forward(...)``; then a training step on ``inputs_embeds`` computed by calling the
-    embedding outside the engine (its gradient comes from that call), and a plain step after it."""
+    embedding outside the engine (its gradient comes from that call), and a plain step after it. Last, with
+    DeepCompile only, the embedding called inside ``GatheredParameters``: it reads the parameter held gathered."""
     import deepspeed
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -295,7 +296,12 @@ def _outside_calls():
             r["forward"] = engine.module.forward(input_ids=ids, labels=ids).loss
         step(inputs_embeds=engine.module.get_input_embeddings()(ids))
         step(input_ids=ids)
-        if deepcompile:
+        if deepcompile:  # eager ZeRO-3's own hooks release a parameter the user holds gathered after the call
+            embedding = engine.module.get_input_embeddings()
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters())), torch.no_grad():
+                looked_up = embedding(ids)
+                r["held"] = (embedding.weight.ds_status.name,
+                             torch.equal(looked_up, torch.nn.functional.embedding(ids, embedding.weight)))
             r["active"] = engine.is_deepcompile_active()
             r["live_after"] = runtime_of(engine).counters.live_gathered_bytes
             r["sharded"] = all(p.ds_status.name == "NOT_AVAILABLE" for p in engine.module.parameters())
@@ -315,6 +321,7 @@ def test_submodules_called_outside_the_forward_run_as_in_eager_zero3():
     for r in run_distributed(_outside_calls, timeout_s=300):
         eager, compiled = r[False], r[True]
         assert compiled["active"] and compiled["sharded"] and compiled["live_after"] == 0, compiled
+        assert compiled["held"] == ("AVAILABLE", True), compiled["held"]
         worst_loss = max(abs(a - b) / abs(a) for a, b in zip(eager["losses"], compiled["losses"]))
         assert worst_loss <= 1e-6, (eager["losses"], compiled["losses"])
         for what in ("embedding", "backbone", "forward"):
