@@ -618,8 +618,10 @@ class Z3Runtime:
         self._outside_hooks.clear()
 
     def _outside_call_starts(self, module, args) -> None:
-        # a backward recomputing a checkpointed module (torch.utils.checkpoint) is part of the step it belongs to
-        if self._outside_depth == 0 and (self._forward_running or torch._C._current_graph_task_id() != -1):
+        # A backward recomputing a checkpointed module (torch.utils.checkpoint) is part of the step it belongs to. An
+        # engine that left DeepCompile (destroyed, or switched off) is detached at its next forward.
+        if self._outside_depth == 0 and (self._forward_running or torch._C._current_graph_task_id() != -1
+                                         or not self.engine.is_deepcompile_active()):
             return
         self._outside_depth += 1
         if self._outside_depth == 1:
