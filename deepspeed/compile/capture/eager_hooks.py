@@ -32,20 +32,25 @@ def trace_zero3_linear_as_linear() -> None:
         return torch._C._nn.linear(input, weight, bias)
 
 
+def _offload(engine):
+    """ZeRO-3's module-hook owner: the optimizer's ``parameter_offload``, or, in an engine built without an
+    optimizer (for inference: Trainer's ``evaluate()`` before any training), the engine's ``DeepSpeedZeRoOffload``
+    itself."""
+    optimizer = engine.optimizer
+    return getattr(optimizer, "parameter_offload", optimizer)
+
+
 def switch_off(engine) -> None:
     trace_zero3_linear_as_linear()
     if getattr(engine, _OFF, False):
         return
-    optimizer = engine.optimizer
-    offload = optimizer.parameter_offload
+    optimizer, offload = engine.optimizer, _offload(engine)
     offload.fwd_pre_hook.remove()
     _remove_module_hooks(offload)
-    for hook in optimizer._grad_acc_hooks:
-        hook.remove()
-    optimizer._grad_acc_hooks.clear()
-    for hook in optimizer._leaf_module_hooks:
-        hook.remove()
-    optimizer._leaf_module_hooks.clear()
+    for hooks in (getattr(optimizer, "_grad_acc_hooks", []), getattr(optimizer, "_leaf_module_hooks", [])):
+        for hook in hooks:
+            hook.remove()
+        hooks.clear()
     setattr(engine, _OFF, True)
 
 
@@ -60,7 +65,7 @@ def drop_reregistered(engine) -> None:
     """Take off ZeRO-3 module hooks that something re-registered since :func:`switch_off` (no-op when none)."""
     if not getattr(engine, _OFF, False):
         return
-    offload = engine.optimizer.parameter_offload
+    offload = _offload(engine)
     if offload.forward_hooks or offload.backward_hooks:
         logger.info(f"deepspeed-compile: removing {len(offload.forward_hooks)} forward and "
                     f"{len(offload.backward_hooks)} backward ZeRO-3 module hooks registered again while "
@@ -71,7 +76,7 @@ def drop_reregistered(engine) -> None:
 def switch_on(engine) -> None:
     if not getattr(engine, _OFF, False):
         return
-    optimizer = engine.optimizer
-    optimizer.parameter_offload.setup_zero_stage3_hooks()
-    optimizer.create_reduce_and_remove_grad_hooks()
+    _offload(engine).setup_zero_stage3_hooks()
+    if hasattr(engine.optimizer, "create_reduce_and_remove_grad_hooks"):
+        engine.optimizer.create_reduce_and_remove_grad_hooks()
     setattr(engine, _OFF, False)

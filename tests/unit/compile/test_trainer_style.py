@@ -351,3 +351,47 @@ def test_hf_trainer_trains_evaluates_and_saves_as_eager_zero3(tmp_path):
         assert eager["saved"].keys() == compiled["saved"].keys()
         worst = max((eager["saved"][k] - compiled["saved"][k]).abs().max().item() for k in eager["saved"])
         assert worst <= 1e-4, worst
+
+
+def _inference_engine():
+    """An engine built without an optimizer, as Trainer's ``evaluate()`` builds one before any training: ZeRO-3
+    then has no optimizer, only its parameter offload. Forwards through the engine and direct calls of the module,
+    under no_grad, lengths changing, eager ZeRO-3 first."""
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = {}
+    for deepcompile in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=256, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=False))
+        config = _config(deepcompile, bf16=False)
+        del config["optimizer"]
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        if deepcompile:
+            engine.compile(backend="eager")
+        g = torch.Generator().manual_seed(dist.get_rank())
+        losses = []
+        for step in range(3):
+            ids = torch.randint(1, 256, (2, 10 + step), generator=g)
+            with torch.no_grad():
+                losses += [engine(input_ids=ids, labels=ids).loss.item(),
+                           engine.module(input_ids=ids, labels=ids).loss.item()]
+        out[deepcompile] = losses
+        if deepcompile:
+            from deepspeed.compile.report import engine_report
+            out["active"] = engine.is_deepcompile_active()
+            out["report"] = engine_report(engine)
+        engine.destroy()
+    return out
+
+
+def test_engine_without_optimizer_evaluates_as_eager_zero3():
+    """``engine.compile()`` raised an AttributeError (no ``parameter_offload``) on an engine without an optimizer.
+    Losses equal (fp32, eager backend, forward only: the same arithmetic as eager ZeRO-3's)."""
+    for r in run_distributed(_inference_engine, timeout_s=300):
+        assert r["active"] and r["report"]["gathers"] > 0 and r["report"]["eager_gathers"] == 0, r["report"]
+        assert r[True] == r[False], (r[False], r[True])
