@@ -182,8 +182,8 @@ def _prepare_direct_calls(engine) -> None:
 
 @contextmanager
 def direct_call_context(engine) -> Iterator[None]:
-    """A call of the compiled ``engine.module``: inside the engine's forward (or after the engine left DeepCompile)
-    nothing more; called directly, the forward context the engine's forward would have entered."""
+    """A call of the compiled ``engine.module``: inside the engine's forward nothing more; called directly, the
+    forward context the engine's forward would have entered (:func:`forward_context`)."""
     state = state_of(engine, active_only=False)
     if state is None or state.runtime.forward_running:
         yield None

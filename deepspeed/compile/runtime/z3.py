@@ -623,10 +623,11 @@ class Z3Runtime:
         if self._outside_depth == 0 and (self._forward_running or torch._C._current_graph_task_id() != -1
                                          or not self.engine.is_deepcompile_active()):
             return
+        if self._outside_depth == 0:
+            exit_stack = ExitStack()
+            exit_stack.enter_context(self.forward_context(outside=True))
+            self._outside_exit = exit_stack
         self._outside_depth += 1
-        if self._outside_depth == 1:
-            self._outside_exit = ExitStack()
-            self._outside_exit.enter_context(self.forward_context(outside=True))
 
     def _outside_call_ends(self, module, args, output) -> None:
         if self._outside_depth == 0:
@@ -646,6 +647,7 @@ class Z3Runtime:
         ``outside`` a submodule called outside any forward."""
         if not outside:
             self._remove_outside_hooks()
+        pending = self._backward_pending  # a forward whose backward has not run yet (this one then runs between)
         # Both are kept across steps, so never made as inference tensors (under an eval's torch.inference_mode): a
         # later training step saves them for backward, which autograd refuses for inference tensors.
         with torch.inference_mode(False):
@@ -674,7 +676,7 @@ class Z3Runtime:
                 params._in_forward = False
             if not outside:
                 self._install_outside_hooks()
-        self._backward_pending = torch.is_grad_enabled()
+        self._backward_pending = pending or torch.is_grad_enabled()
         if not self._backward_pending:  # no backward will come to end this step
             self._end_of_step(learn=False)
             self._drop_unclaimed()

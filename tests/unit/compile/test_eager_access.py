@@ -259,8 +259,9 @@ def test_computing_with_a_standin_raises_naming_the_parameter():
 
 
 def _outside_calls():
-    """A `transformers` Llama whose parameters are all sharded, one training step, then what code does between steps
-    with eager ZeRO-3's module hooks in mind: under no_grad, the embedding called on its own, the backbone
+    """A `transformers` Llama whose parameters are all sharded, one training step (between its forward and backward,
+    under no_grad, the embedding called and the model called directly, as metrics code would), then what code does
+    between steps with eager ZeRO-3's module hooks in mind: under no_grad, the embedding called on its own, the backbone
     without the head, and ``model.forward(...)``; then a training step on ``inputs_embeds`` computed by calling the
     embedding outside the engine (its gradient comes from that call), and a plain step after it. Last, with
     DeepCompile only, the embedding called inside ``GatheredParameters``: it reads the parameter held gathered."""
@@ -283,13 +284,19 @@ def _outside_calls():
         ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(rank))
         r = {"losses": []}
 
-        def step(**inputs):
+        def step(between=None, **inputs):
             loss = engine(labels=ids, **inputs).loss
+            if between is not None:
+                between()
             engine.backward(loss)
             engine.step()
             r["losses"].append(loss.item())
 
-        step(input_ids=ids)
+        def metrics():  # between a forward and its backward: the backward's state must survive them
+            with torch.no_grad():
+                r["between"] = (engine.module.get_input_embeddings()(ids), engine.module(input_ids=ids).logits)
+
+        step(input_ids=ids, between=metrics)
         with torch.no_grad():
             r["embedding"] = engine.module.get_input_embeddings()(ids)
             r["backbone"] = engine.module.model(input_ids=ids).last_hidden_state
@@ -317,13 +324,15 @@ def test_submodules_called_outside_the_forward_run_as_in_eager_zero3():
     1e-6 relative, and the outputs between steps within 1e-6 of their largest magnitude (measured 0 to 1e-7, and
     1e-7 and 3e-7): this model's joint graph sums some gradients in another order than eager autograd
     (test_trainer_style.py), and AdamW turns that round-off into parameters that differ in their last bits after
-    the first step."""
+    the first step. The calls between the first forward and its backward, before any update, are equal."""
+    import torch
     for r in run_distributed(_outside_calls, timeout_s=300):
         eager, compiled = r[False], r[True]
         assert compiled["active"] and compiled["sharded"] and compiled["live_after"] == 0, compiled
         assert compiled["held"] == ("AVAILABLE", True), compiled["held"]
         worst_loss = max(abs(a - b) / abs(a) for a, b in zip(eager["losses"], compiled["losses"]))
         assert worst_loss <= 1e-6, (eager["losses"], compiled["losses"])
+        assert all(torch.equal(c, e) for c, e in zip(compiled["between"], eager["between"]))
         for what in ("embedding", "backbone", "forward"):
             worst = ((compiled[what] - eager[what]).abs().max() / eager[what].abs().max()).item()
             assert worst <= 1e-6, (what, worst)
