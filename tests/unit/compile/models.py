@@ -186,3 +186,12 @@ def ds_config(stage: int = 3, compile_section: Optional[Dict[str, Any]] = None, 
     if compile_section is not None:
         config["compile"] = compile_section
     return config
+
+
+def tiny_llama(use_cache: bool = False):
+    """A 2-layer `transformers` Llama (hidden size 64, SDPA attention, vocabulary 256), as the Trainer-style tests
+    use it; the caller seeds torch first."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=use_cache))

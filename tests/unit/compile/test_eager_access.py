@@ -267,16 +267,14 @@ def _outside_calls():
     DeepCompile only, the embedding called inside ``GatheredParameters``: it reads the parameter held gathered."""
     import deepspeed
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from models import tiny_llama
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     out = {}
     for deepcompile in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=False))
+        model = tiny_llama()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                           config=_config({"deepcompile": True} if deepcompile else None))
         if deepcompile:

@@ -21,7 +21,7 @@ import torch
 
 from distributed import run_distributed
 
-HIDDEN = 64
+HIDDEN = 64  # models.tiny_llama's hidden size, which the "auto" bucket sizes below follow
 
 
 def _config(deepcompile: bool, bf16: bool):
@@ -70,15 +70,13 @@ def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool):
     """Eager ZeRO-3, then DeepCompile, from the same initial model on the same batches."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from models import tiny_llama
     deepspeed.init_distributed(dist_backend="gloo")
     torch._dynamo.reset()
     out = {}
     for deepcompile in (False, True):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=256, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=False))
+        model = tiny_llama()
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -214,15 +212,13 @@ def _generate_and_train(steps):
     import deepspeed
     import torch.distributed as dist
     from deepspeed.compile.report import engine_report
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from models import tiny_llama
     deepspeed.init_distributed(dist_backend="gloo")
     torch._dynamo.reset()
     out = {}
     for deepcompile in (False, True):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=256, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa"))
+        model = tiny_llama(use_cache=True)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                           config=_config(deepcompile, bf16=False))
         if deepcompile:
@@ -293,7 +289,8 @@ def _hf_trainer(workdir: str):
     import torch.distributed as dist
     from accelerate.state import AcceleratorState
     from safetensors.torch import load_file
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from models import tiny_llama
+    from transformers import Trainer, TrainingArguments
     out = {}
     for deepcompile in (False, True):
         torch._dynamo.reset()
@@ -307,9 +304,7 @@ def _hf_trainer(workdir: str):
         if deepcompile:
             ds_config["compile"] = {"deepcompile": True}
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=256, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=False))
+        model = tiny_llama()
         output_dir = os.path.join(workdir, f"deepcompile_{deepcompile}")
         args = TrainingArguments(
             output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
@@ -359,15 +354,13 @@ def _inference_engine():
     under no_grad, lengths changing, eager ZeRO-3 first."""
     import deepspeed
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from models import tiny_llama
     deepspeed.init_distributed(dist_backend="gloo")
     out = {}
     for deepcompile in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=256, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=False))
+        model = tiny_llama()
         config = _config(deepcompile, bf16=False)
         del config["optimizer"]
         engine, *_ = deepspeed.initialize(model=model, config=config)
