@@ -602,9 +602,9 @@ class Z3Runtime:
     # context below: parameters read are gathered on access, their gradients reduced in the next backward, all
     # released after it, or at once under no_grad), uncompiled as in eager ZeRO-3. A module without parameters of
     # its own (a backbone) needs none: the calls it makes are hooked. The compiled forward takes the hooks off
-    # first, since dynamo must not trace them (putting them back costs about 7 us per module and step). The root
-    # module is not hooked: its compiled call enters the forward context itself
-    # (``engine_state.direct_call_context``).
+    # first, since dynamo must not trace them, and puts them back after (two hooks per such module and step; the
+    # paired step-time benchmarks did not move, docs/capture.md). The root module is not hooked: its compiled call
+    # enters the forward context itself (``engine_state.direct_call_context``).
     def _install_outside_hooks(self) -> None:
         if self._outside_hooks:
             return
