@@ -618,12 +618,12 @@ class Z3Runtime:
         self._outside_hooks.clear()
 
     def _outside_call_starts(self, module, args) -> None:
-        # A backward recomputing a checkpointed module (torch.utils.checkpoint) is part of the step it belongs to. An
-        # engine that left DeepCompile (destroyed, or switched off) is detached at its next forward.
-        if self._outside_depth == 0 and (self._forward_running or torch._C._current_graph_task_id() != -1
-                                         or not self.engine.is_deepcompile_active()):
-            return
         if self._outside_depth == 0:
+            # A backward recomputing a checkpointed module (torch.utils.checkpoint) is part of the step it belongs
+            # to. An engine that left DeepCompile (destroyed, or switched off) is detached at its next forward.
+            if (self._forward_running or torch._C._current_graph_task_id() != -1
+                    or not self.engine.is_deepcompile_active()):
+                return
             exit_stack = ExitStack()
             exit_stack.enter_context(self.forward_context(outside=True))
             self._outside_exit = exit_stack
