@@ -59,7 +59,8 @@ def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optiona
     """One ZeRO config for every DeepSpeed row (stage 3 unless ``stage``). ``tuned``: buckets sized to the model
     (reduce a quarter of it, prefetch an eighth), nothing persistent.
     ``defaults``: the ZeRO section says only the stage, as most users' configs do (DeepSpeed's 5e8-element
-    buckets, parameters under 1e5 elements persistent)."""
+    buckets, parameters under 1e5 elements persistent). ``offload``: the defaults with ZeRO-3's parameter shards and
+    optimizer on the CPU (``offload_param`` and ``offload_optimizer``, as Hugging Face's "zero3 offload" config)."""
     bucket = int(max(model_numel // 4, 1 << 16))
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
@@ -76,10 +77,15 @@ def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optiona
     }
     if zero_settings == "defaults":
         config["zero_optimization"] = {"stage": stage}
+    elif zero_settings == "offload":
+        if stage != 3:
+            raise ValueError("--zero-settings offload: parameter offload is ZeRO-3's; choose ZeRO-3 rows")
+        config["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"},
+                                       "offload_optimizer": {"device": "cpu"}}
     elif stage != 3:  # ZeRO-1/2 read the reduce and all-gather buckets only
         config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     elif zero_settings != "tuned":
-        raise ValueError(f"zero_settings must be 'tuned' or 'defaults', got {zero_settings!r}")
+        raise ValueError(f"zero_settings must be 'tuned', 'defaults' or 'offload', got {zero_settings!r}")
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     elif dtype == "autocast":
@@ -301,9 +307,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def add_setting_args(p: argparse.ArgumentParser) -> None:
     """The settings ``run.py`` takes and hands to every worker as they are (``setting_argv``)."""
-    p.add_argument("--zero-settings", choices=("tuned", "defaults"), default="tuned",
-                   help="ZeRO knobs of the DeepSpeed rows: sized to the model (tuned) or DeepSpeed's defaults (only "
-                        "the stage set)")
+    p.add_argument("--zero-settings", choices=("tuned", "defaults", "offload"), default="tuned",
+                   help="ZeRO knobs of the DeepSpeed rows: sized to the model (tuned), DeepSpeed's defaults (only "
+                        "the stage set), or the defaults with parameters and optimizer offloaded to the CPU (offload)")
     p.add_argument("--fsdp2-autocast", choices=("policy", "torch"), default="policy",
                    help="FSDP2 rows under autocast: FSDP2's mixed-precision policy (bf16 parameters and compute, the "
                         "default) or torch.autocast over fp32 parameters, the numerics of DeepSpeed's torch_autocast")

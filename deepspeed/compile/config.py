@@ -23,7 +23,8 @@ class CompileConfig(DeepSpeedConfigModel):
     autoep_non_moe: bool = Field(False, description="stock AutoEP region compile, handled by the engine itself")
     passes: Optional[List[PassName]] = Field(None, description="stock pass composition; None or ['z3'] run "
                                              "this pipeline, 'autosp'/'autotp' fall back to torch.compile")
-    offload_parameters: bool = Field(False, description="stock offload: not implemented, falls back")
+    offload_parameters: bool = Field(False, description="ZeRO-3 with offload_param to cpu: runs (the engine sets it); "
+                                     "otherwise not implemented, falls back")
     offload_opt_states: bool = Field(False, description="stock offload: not implemented, falls back")
     offload_activation: bool = Field(False, description="stock offload: not implemented, falls back")
     offload_activation_pin_memory: bool = Field(True, description="stock offload setting: no effect here")
@@ -86,8 +87,11 @@ _IGNORED_OPTIONS = ("free_activation", "symmetric_memory", "sync_before_reduce",
                     "sync_before_allgather", "sync_after_allgather", "keep_all_input_tensors")
 
 
-def unimplemented_options(config: CompileConfig) -> "tuple[list[str], list[str]]":
-    """Names of set options that force a fallback to plain torch.compile, and names that have no effect here."""
-    fallback = [name for name in _FALLBACK_OPTIONS if getattr(config, name)]
+def unimplemented_options(config: CompileConfig, param_offload: str = "none") -> "tuple[list[str], list[str]]":
+    """Names of set options that force a fallback to plain torch.compile, and names that have no effect here.
+    ``param_offload`` is where ZeRO-3 keeps the parameter shards (``offload_param.device``): the engine sets
+    ``offload_parameters`` when they live on the CPU, and ZeRO-3's pipeline runs with them there."""
+    fallback = [name for name in _FALLBACK_OPTIONS
+                if getattr(config, name) and not (name == "offload_parameters" and param_offload == "cpu")]
     ignored = [name for name in _IGNORED_OPTIONS if getattr(config, name)]
     return fallback, ignored

@@ -113,12 +113,27 @@ def _compile_kwargs_settings(backend: str, compile_kwargs: Optional[Dict[str, An
     return inductor_settings(backend, compile_kwargs)
 
 
-def _check_options(compile_config: CompileConfig, backend: str, schedule) -> bool:
-    """Refuse a bad request (ValueError) and say whether this module can run the configuration at all."""
+def param_offload_device(engine) -> str:
+    """Where ZeRO-3 keeps the parameter shards between uses: ``offload_param.device`` ("none", "cpu" or "nvme")."""
+    device = getattr(engine.zero_offload_param(), "device", None)
+    return "none" if device is None else str(getattr(device, "value", device))
+
+
+def _check_options(compile_config: CompileConfig, backend: str, schedule, param_offload: str = "none") -> bool:
+    """Refuse a bad request (ValueError) and say whether this module can run the configuration at all.
+    ``param_offload``: where ZeRO-3 keeps the parameter shards ("none" for ZeRO-1/2)."""
     check_compile_request(compile_config, backend, schedule)
-    fallback, ignored = unimplemented_options(compile_config)
+    if param_offload == "nvme":
+        fall_back("zero_optimization.offload_param.device='nvme'", "deepspeed-compile gathers shards kept in "
+                  "memory; offload_param to 'cpu' runs with DeepCompile")
+        return False
+    fallback, ignored = unimplemented_options(compile_config, param_offload)
     if fallback:
-        fall_back(f"compile option(s) {fallback}", "offload is not implemented by deepspeed-compile")
+        why = "offload is not implemented by deepspeed-compile"
+        if "offload_parameters" in fallback and param_offload == "none":
+            why += "; at ZeRO-3, zero_optimization.offload_param.device='cpu' keeps the parameter shards on the CPU " \
+                   "and runs with DeepCompile"
+        fall_back(f"compile option(s) {fallback}", why)
         return False
     if ignored:
         logger.warning(f"deepspeed-compile: compile option(s) {ignored} have no effect in this implementation")
@@ -196,7 +211,7 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
                 compile_kwargs: Optional[Dict[str, Any]] = None) -> Optional[Callable]:
     """Give a ZeRO-3 engine its DeepCompile state and return the dynamo backend that compiles its graphs (None:
     fall back to plain ``torch.compile``)."""
-    if not _check_options(compile_config, backend, schedule):
+    if not _check_options(compile_config, backend, schedule, param_offload_device(engine)):
         return None
     inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
     _check_regions(engine, compile_config)

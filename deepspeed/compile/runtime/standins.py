@@ -30,14 +30,16 @@ def _is_standin(param: Parameter) -> bool:
     return data.shape == param.ds_shape and data.numel() > 0 and all(s == 0 for s in data.stride())
 
 
-def _make_standin(param: Parameter) -> Tensor:
+def _make_standin(param: Parameter, device: torch.device) -> Tensor:
     # NaN, not uninitialised memory: eager code that wrongly computes with a stand-in gets NaNs, never
     # plausible numbers (and a gradient for it raises, see runtime/eager_access.py)
     fill = float("nan") if param.dtype.is_floating_point else 0
-    return torch.full((1, ), fill, dtype=param.dtype, device=param.ds_tensor.device).expand(param.ds_shape)
+    return torch.full((1, ), fill, dtype=param.dtype, device=device).expand(param.ds_shape)
 
 
-def install(params: Iterable[Parameter]) -> None:
+def install(params: Iterable[Parameter], device: torch.device) -> None:
+    """Stand-ins on the device the graphs compute on (``device``), where the gathered parameters will be; with
+    ZeRO-3's ``offload_param`` the shards themselves stay on the CPU."""
     for param in params:
         if not _needs_standin(param) or _is_standin(param):
             continue
@@ -46,8 +48,8 @@ def install(params: Iterable[Parameter]) -> None:
             # from the shard, so hold no full copy, and keep one kind of input for dynamo's guards
             param.partition()
         standin = getattr(param, _STANDIN, None)
-        if standin is None or standin.dtype != param.dtype or standin.device != param.ds_tensor.device:
-            standin = _make_standin(param)
+        if standin is None or standin.dtype != param.dtype or standin.device != device:
+            standin = _make_standin(param, device)
             setattr(param, _STANDIN, standin)
         setattr(param, _PARTITIONED, param.data)
         param.data = standin

@@ -130,13 +130,17 @@ class Z3Runtime:
         self.input_cast_hook = None  # fp16 auto_cast: the engine's input cast, as a forward pre-hook (init_z3)
         # the columns one reduce of every trained parameter needs: no bucket is ever wider
         self._grad_columns = sum(p.partition_numel() for p in self.params.values() if p.requires_grad)
+        # The device the graphs compute on and gather to. ZeRO-3's offload_param keeps the shards elsewhere (the
+        # CPU): a gather copies them over first, as eager ZeRO-3 does, and the cast and collective run here.
+        self.device = torch.device(engine.device)
+        self.shards_offloaded = any(p.ds_tensor.device != self.device for p in self.sharded.values())
         native = load_native(native_op)
         self.gather_path = "native" if native is not None else "python"
         self._cast_all_gather = native or cast_all_gather_python
         # coalesced gathers start through the native op's start form on CUDA, where it casts on the communication
         # stream; on CPU the Python path concatenates and casts the shards in one copy (the op takes one shard, so
         # it would copy the run twice)
-        self._native_start = native is not None and any(p.ds_tensor.is_cuda for p in self.sharded.values())
+        self._native_start = native is not None and self.device.type == "cuda"
         self.counters = Counters()
         # (time.perf_counter(), live gathered bytes) at every change, while recording (report.py)
         self.gathered_timeline: Optional[List[Tuple[float, int]]] = None
@@ -234,6 +238,8 @@ class Z3Runtime:
             entry.refs += 1
             return entry.tensor
         start = time.perf_counter()
+        if self.shards_offloaded:
+            shard = shard.to(self.device, non_blocking=True)
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
         with self._timeout_named(lambda: f"the all-gather of parameter {self.eager.name(param)}"):
             flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.timeout)
@@ -339,6 +345,8 @@ class Z3Runtime:
         """One all-gather for several parameters, started: each rank sends its shards back to back, cast first (by the
         native op's start form, or while concatenating them)."""
         shards = [p.ds_tensor.reshape(-1) for p in members]
+        if self.shards_offloaded:  # one copy to the device for the run (concatenated where the shards are)
+            shards = [torch.cat(shards).to(self.device, non_blocking=True)]
         if self._native_start:
             send = torch.cat(shards)
             work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.timeout)
@@ -656,8 +664,8 @@ class Z3Runtime:
                 absent[0].all_gather(param_list=absent)
             # Not over parameters gathered for eager code whose backward is still to come (an outside call). An
             # outside call runs uncompiled: a parameter someone holds gathered (GatheredParameters) is read as it is.
-            standins.install(p for p in self.sharded.values() if p.ds_id not in self.eager.gathered and not (
-                outside and p.ds_status == ZeroParamStatus.AVAILABLE))
+            standins.install((p for p in self.sharded.values() if p.ds_id not in self.eager.gathered and not (
+                outside and p.ds_status == ZeroParamStatus.AVAILABLE)), self.device)
         for params in self._param_dicts:
             params._in_forward = True  # ZeRO-3 gathers a parameter read outside the graphs (eager_access.py)
         self._forward_running = True

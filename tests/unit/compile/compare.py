@@ -6,7 +6,7 @@ What is compared: the loss of every micro-step, the full gradients after every b
 scale shows here even under AdamW, whose update is scale-invariant), the parameters after training (and the
 optimizer's fp32 master copies where parameters are bf16/fp16), and the module's buffers.
 """
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import deepspeed
 import torch
@@ -88,13 +88,17 @@ def run_eager(model: str, steps: int, dtype: str = "fp32", grad_accum: int = 1, 
 
 def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: Optional[Dict[str, Any]] = None,
                  backend: str = "eager", grad_accum: int = 1, grad_steps: int = 1, stage: int = 3,
-                 **config_kwargs) -> Dict[str, Any]:
+                 after_compile: Optional[Callable[[Any], None]] = None, **config_kwargs) -> Dict[str, Any]:
     """The compiled engine: what ``train_and_record`` returns, plus the runtime's counters and saved-for-backward
-    report, whether DeepCompile is active, and how many graphs were compiled."""
+    report, whether DeepCompile is active, and how many graphs were compiled. ``after_compile(engine)`` runs
+    between ``engine.compile()`` and the first step."""
     section = {"deepcompile": True, **(compile_section or {})}
     torch._dynamo.reset()  # each compiled engine starts from dynamo's empty caches (and its recompile limit)
     compiled = make_engine(model, ds_config(stage, section, dtype, grad_accum, **config_kwargs))
-    out = train_and_record(compiled, model, steps, grad_steps, compile_kwargs={"backend": backend})
+    compiled.compile(backend=backend)
+    if after_compile is not None:
+        after_compile(compiled)
+    out = train_and_record(compiled, model, steps, grad_steps)
     state = state_of(compiled, active_only=False)
     # what the graph ops name a parameter by: its ds_id (ZeRO-3) or the runtime's key (ZeRO-1/2)
     names = ({p.ds_id: name for name, p in compiled.module.named_parameters()} if stage == 3

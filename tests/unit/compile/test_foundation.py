@@ -61,6 +61,23 @@ def test_bad_schedule_and_backend_are_refused():
         check_compile_request(CompileConfig(deepcompile=True), "aot_eager", None)
 
 
+def test_parameter_offload_runs_where_the_shards_are_in_memory():
+    """The engine sets stock's ``offload_parameters`` when ZeRO-3 offloads parameters and optimizer to the CPU:
+    ZeRO-3's pipeline runs then (the shards stay on the CPU, test_parity_options.py). Shards on NVMe, or the option
+    without ZeRO's offload_param, fall back with a warning naming what to set."""
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.compile.engine_state import _check_options
+    from training import RecordWarnings
+    config = CompileConfig(deepcompile=True, offload_parameters=True)
+    warnings = RecordWarnings()
+    assert _check_options(config, "eager", None, param_offload="cpu") and not warnings.messages
+    assert not _check_options(CompileConfig(deepcompile=True), "eager", None, param_offload="nvme")
+    assert not _check_options(config, "eager", None, param_offload="none")  # ZeRO-1/2, or no ZeRO offload
+    nvme, alone = warnings.messages
+    assert "offload_param.device='nvme'" in nvme and "falling back" in nvme, nvme
+    assert "offload_parameters" in alone and "offload_param.device='cpu'" in alone, alone
+
+
 def test_regions_blocks_is_refused_where_it_cannot_serve():
     from deepspeed.compile.capture import regions
     from models import make_model

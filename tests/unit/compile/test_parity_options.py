@@ -33,6 +33,34 @@ def _options_against_eager():
         out[name] = {**autocast, **run_compiled("gpt", STEPS, dtype="autocast", compile_section={"fused_cast": fused},
                                                 grad_steps=2, optimizer="sgd")}
         out[name]["fp32_grads"] = fp32["eager_grads"]
+    out.update(_offload_against_eager())
+    return out
+
+
+# ZeRO-3 keeping the parameter shards and the optimizer on the CPU (ZeRO-Offload, as in Hugging Face's "zero3 offload"
+# config); the engine then sets stock's compile.offload_parameters. Coalesced gathers (a 3000-element prefetch bucket)
+# as well as single ones.
+OFFLOAD = {"zero_overrides": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
+                              "stage3_prefetch_bucket_size": 3000}}
+
+
+def _offload_against_eager():
+    """Eager ZeRO-3 and DeepCompile with the same offload config. Here the CPU is also the device the graphs compute
+    on, so the shards need no copy; the run "offload_copied" takes the runtime's copy-to-device path anyway (a no-op
+    copy on the CPU), so its concatenation and casts are checked too."""
+    from compare import run_compiled, run_eager
+    from deepspeed.compile.engine_state import runtime_of
+    from training import RecordWarnings
+    out = {}
+    eager = run_eager("gpt", STEPS, grad_steps=2, **OFFLOAD)
+
+    def take_copy_path(engine):
+        runtime_of(engine).shards_offloaded = True
+
+    for name, after_compile in (("offload", None), ("offload_copied", take_copy_path)):
+        warnings = RecordWarnings()
+        out[name] = {**eager, **run_compiled("gpt", STEPS, grad_steps=2, after_compile=after_compile, **OFFLOAD),
+                     "warnings": [m for m in warnings.messages if "deepspeed-compile" in m]}
     return out
 
 
@@ -81,3 +109,14 @@ def test_unfused_cast_matches_eager_zero3_under_autocast(results):
         for g, fg in zip(r["grads"], out["fused"]["grads"]):
             assert not unequal(g, fg)
         assert not unequal(r["params"], out["fused"]["params"])
+
+
+@pytest.mark.parametrize("run", ["offload", "offload_copied"])
+def test_parameter_and_optimizer_offload_to_cpu_runs_deepcompile_as_eager_zero3(results, run):
+    from compare import assert_bitwise_equal
+    for out in results:
+        r = out[run]
+        # DeepCompile ran (it used to fall back to plain torch.compile, which fails on this model), with no warning
+        assert r["active"] and not r["warnings"] and r["live_after_step"] == [0] * STEPS, r["warnings"]
+        assert r["counters"]["allgather_collectives"] < r["counters"]["gathers"], r["counters"]  # coalesced runs
+        assert_bitwise_equal(r)
