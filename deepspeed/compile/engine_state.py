@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Union
 
 from deepspeed.utils import logger
 
@@ -141,6 +141,25 @@ def _check_options(compile_config: CompileConfig, backend: str, schedule, param_
     return True
 
 
+def unapplied_zeropp_options(zero_config) -> List[str]:
+    """ZeRO++ settings of a ZeRO-3 config that DeepCompile's gathers and reduces do not apply (``zero_config`` is the
+    engine's ``_config.zero_config``)."""
+    names = [name for name in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                               "zero_quantized_gradients") if getattr(zero_config, name, False)]
+    if (getattr(zero_config, "zero_hpz_partition_size", 1) or 1) > 1:
+        names.append("zero_hpz_partition_size")
+    return names
+
+
+def _warn_zeropp(engine) -> None:
+    names = unapplied_zeropp_options(engine._config.zero_config)
+    if names:
+        logger.warning(f"deepspeed-compile: ZeRO++ option(s) {names} are not applied by DeepCompile: the compiled "
+                       "graphs gather parameters and reduce-scatter gradients unquantized, on the whole data-parallel "
+                       "group (hpZ's secondary partition is not used), with eager ZeRO-3's arithmetic without "
+                       "ZeRO++. Code run eagerly outside the graphs still gathers through ZeRO-3 itself")
+
+
 def _check_regions(engine, compile_config: CompileConfig) -> None:
     if compile_config.regions == "blocks":
         from .capture import regions
@@ -216,6 +235,7 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
         return None
     inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
     _check_regions(engine, compile_config)
+    _warn_zeropp(engine)
     # imported here: these register the graph ops, which `import deepspeed` must not pay for
     from .capture import eager_hooks
     from .runtime.z3 import Z3Runtime

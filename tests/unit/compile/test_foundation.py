@@ -78,6 +78,21 @@ def test_parameter_offload_runs_where_the_shards_are_in_memory():
     assert "offload_parameters" in alone and "offload_param.device='cpu'" in alone, alone
 
 
+def test_zeropp_options_deepcompile_does_not_apply_are_named():
+    """ZeRO++'s quantized gathers and reduces (not runnable on CPU, even in eager ZeRO-3) and hpZ are named in the
+    warning ``engine.compile()`` logs (``_zero12_activation`` checks it is logged, with hpZ)."""
+    from types import SimpleNamespace
+    from deepspeed.compile.engine_state import unapplied_zeropp_options
+    zero = SimpleNamespace(zero_quantized_weights=True, zero_quantized_nontrainable_weights=False,
+                           zero_quantized_gradients=True, zero_hpz_partition_size=1)
+    assert unapplied_zeropp_options(zero) == ["zero_quantized_weights", "zero_quantized_gradients"]
+    zero = SimpleNamespace(zero_quantized_weights=False, zero_quantized_nontrainable_weights=True,
+                           zero_quantized_gradients=False, zero_hpz_partition_size=8)
+    assert unapplied_zeropp_options(zero) == ["zero_quantized_nontrainable_weights", "zero_hpz_partition_size"]
+    zero.zero_quantized_nontrainable_weights, zero.zero_hpz_partition_size = False, 1
+    assert unapplied_zeropp_options(zero) == []
+
+
 def test_regions_blocks_is_refused_where_it_cannot_serve():
     from deepspeed.compile.capture import regions
     from models import make_model
@@ -164,15 +179,18 @@ def test_bad_compile_key_fails_at_initialize():
 
 def _zero12_activation():
     """ZeRO-1 with stock's ``"passes": ["z1"]`` and ZeRO-2 run this module's pipeline; a stock option it does not
-    implement (offload) still falls back to plain torch.compile with one warning naming it."""
+    implement (offload) still falls back to plain torch.compile with one warning naming it; ZeRO-3 with hpZ runs and
+    warns that hpZ is not applied."""
     from models import ds_config
     from training import RecordWarnings, make_engine, train
     from deepspeed.compile.report import engine_report
     out = {}
     for name, stage, section in (("z1", 1, {"deepcompile": True, "passes": ["z1"]}), ("z2", 2, {"deepcompile": True}),
-                                 ("offload", 2, {"deepcompile": True, "offload_activation": True})):
+                                 ("offload", 2, {"deepcompile": True, "offload_activation": True}),
+                                 ("hpz", 3, {"deepcompile": True})):
         warnings = RecordWarnings()
-        engine = make_engine("mlp", ds_config(stage, section))
+        overrides = {"zero_hpz_partition_size": 2} if name == "hpz" else None
+        engine = make_engine("mlp", ds_config(stage, section, zero_overrides=overrides))
         losses = train(engine, "mlp", 3, compile_kwargs={"backend": "eager"})
         report = engine_report(engine)
         out[name] = {"losses": losses, "warnings": [m for m in warnings.messages if "deepspeed-compile" in m],
@@ -190,6 +208,9 @@ def test_zero1_and_zero2_run_deepcompile_and_unimplemented_options_fall_back():
             assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r
         r = out["offload"]
         assert not r["active"] and len(r["warnings"]) == 1 and "offload_activation" in r["warnings"][0], r
+        r = out["hpz"]  # runs (bitwise eager ZeRO-3 in a scratch run), saying hpZ's secondary partition is not used
+        assert r["active"] and r["reduces"] > 0 and len(r["warnings"]) == 1, r
+        assert "zero_hpz_partition_size" in r["warnings"][0], r
 
 
 def _hang_in_collective():
