@@ -167,7 +167,7 @@ def _check_regions(engine, compile_config: CompileConfig) -> None:
 
 
 def _activate(engine, runtime, stage: int, backend: str, compile_config: CompileConfig,
-              inductor_config: Dict[str, Any]) -> Callable:
+              inductor_config: Dict[str, Any], compile_kwargs: Optional[Dict[str, Any]]) -> Callable:
     from .capture.compiler import CompileStats, make_backend
     state = DeepCompileState(runtime, CompileStats(), stage)
     setattr(engine, ATTR, state)
@@ -183,27 +183,39 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         deactivate(engine, uncompile=True)
 
     compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config)
-    if stage == 3:
-        _prepare_direct_calls(engine)
-    if compile_config.regions == "blocks":
+    blocks = compile_config.regions == "blocks"
+    _prepare_module_compile(engine, wrap_direct_calls=stage == 3, drop_fullgraph=blocks)
+    if blocks:
         from .capture import regions
-        regions.install(engine.module, compile_graph, stage)
+        compile_kwargs = compile_kwargs or {}
+        regions.install(engine.module, compile_graph, stage,
+                        {key: compile_kwargs[key] for key in ("fullgraph", "dynamic") if key in compile_kwargs})
     return compile_graph
 
 
-def _prepare_direct_calls(engine) -> None:
-    """Make ``engine.module(...)`` called directly, not through the engine, run in a forward context too.
+def _prepare_module_compile(engine, wrap_direct_calls: bool, drop_fullgraph: bool) -> None:
+    """Adjust the ``engine.module.compile(...)`` the engine runs right after this returns: an instance attribute
+    shadows that method once.
 
-    Hugging Face's Trainer evaluates by calling the module, and ``generate`` calls it once per token. The engine's
-    forward installs the stand-ins dynamo traces the partitioned parameters with; a direct call skipped that, and
-    dynamo traced ZeRO-3's empty ``.data`` (an embedding "must be 2-D" error). The engine compiles its module
-    right after this returns, with ``engine.module.compile(...)``: an instance attribute shadows that method once,
-    compiles, and wraps the compiled call, which :func:`direct_call_context` then enters."""
+    ``wrap_direct_calls`` (ZeRO-3): ``engine.module(...)`` called directly, not through the engine, runs in a forward
+    context too. Hugging Face's Trainer evaluates by calling the module, and ``generate`` calls it once per token. The
+    engine's forward installs the stand-ins dynamo traces the partitioned parameters with; a direct call skipped that,
+    and dynamo traced ZeRO-3's empty ``.data`` (an embedding "must be 2-D" error). The compiled call is wrapped to
+    enter :func:`direct_call_context`.
+
+    ``drop_fullgraph`` (``regions: "blocks"``): the model's own frame breaks at every block by design, so
+    ``fullgraph=True`` applies to the blocks' compiles (``regions.install``), not to the model's."""
     module = engine.module
+    if not wrap_direct_calls and not drop_fullgraph:
+        return
 
-    def compile_and_wrap(*args, **kwargs) -> None:
+    def compile_adjusted(*args, **kwargs) -> None:
         del module.compile
+        if drop_fullgraph:
+            kwargs.pop("fullgraph", None)
         module.compile(*args, **kwargs)
+        if not wrap_direct_calls:
+            return
         compiled_call = module._compiled_call_impl
 
         def call(*call_args, **call_kwargs):
@@ -212,7 +224,7 @@ def _prepare_direct_calls(engine) -> None:
 
         module._compiled_call_impl = call
 
-    module.compile = compile_and_wrap
+    module.compile = compile_adjusted
 
 
 @contextmanager
@@ -243,7 +255,7 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
                         native_op=compile_config.native_op,
                         prefetch_across_graphs=compile_config.regions == "blocks")
     eager_hooks.switch_off(engine)
-    return _activate(engine, runtime, 3, backend, compile_config, inductor_config)
+    return _activate(engine, runtime, 3, backend, compile_config, inductor_config, compile_kwargs)
 
 
 def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=None, stage: int = 1,
@@ -256,7 +268,7 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
     _check_regions(engine, compile_config)
     from .runtime.z12 import Z12Runtime
     runtime = Z12Runtime(engine, stage=stage)
-    return _activate(engine, runtime, stage, backend, compile_config, inductor_config)
+    return _activate(engine, runtime, stage, backend, compile_config, inductor_config, compile_kwargs)
 
 
 def deactivate(engine, uncompile: bool = False) -> None:

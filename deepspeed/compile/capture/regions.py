@@ -58,10 +58,11 @@ def kv_cache_warning(module: nn.Module) -> Optional[str]:
     return None
 
 
-def install(module: nn.Module, backend: Callable, stage: int) -> List[nn.Module]:
+def install(module: nn.Module, backend: Callable, stage: int, compile_kwargs: Optional[Dict] = None) -> List[nn.Module]:
     """Compile the repeated blocks of ``module`` as graphs of their own (one compiled function per block class), and
     at ZeRO stage 3 the parameter-owning modules outside them as regions of their own (:func:`outer_leaves`); returns
-    the blocks (``check`` has accepted the module)."""
+    the blocks (``check`` has accepted the module). ``compile_kwargs``: ``torch.compile``'s ``fullgraph`` and
+    ``dynamic`` for these compiles, as ``engine.compile(compile_kwargs=...)`` gave them."""
     warning = kv_cache_warning(module)
     if warning is not None:
         logger.warning(f"deepspeed-compile: {warning}")
@@ -70,7 +71,7 @@ def install(module: nn.Module, backend: Callable, stage: int) -> List[nn.Module]
 
     def compiled_forward(cls: type) -> Callable:
         if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, backend=backend)
+            compiled[cls] = torch.compile(cls.forward, backend=backend, **(compile_kwargs or {}))
         return compiled[cls]
 
     for block in blocks:
