@@ -1,8 +1,8 @@
 """The pipeline under ``backend="inductor"``, against eager ZeRO-3 trained in the same process (2 gloo ranks).
 
 Inductor compiles take 30-60 s per configuration on 2 CPU cores: each 2-rank test is one spawned run (the first
-also compiles the model block by block, ``regions: "blocks"``, in fp32; the checkpoint test compiles with a
-``compile_kwargs`` inductor option; the warm-process test runs three in turn).
+also compiles the model block by block, ``regions: "blocks"``, in fp32, its gathers coalesced; the checkpoint test
+compiles with a ``compile_kwargs`` inductor option; the warm-process test runs three in turn).
 
 Tolerances: inductor fuses and reorders fp32 arithmetic (layer-norm and softmax reductions, fused matmul
 epilogues), so results are not bitwise equal to eager ZeRO-3. In fp32, gradients (after each backward of the first
@@ -32,10 +32,13 @@ def _inductor_pairs():
     for dtype in ("fp32", "autocast"):
         out[dtype] = run_pair("gpt", STEPS, dtype=dtype, backend="inductor", optimizer="sgd", grad_steps=1)
     out["autocast"]["fp32_grads"] = out["fp32"]["eager_grads"]  # eager ZeRO-3 in fp32 from the same start
-    # block by block: one compiled graph for both blocks, against the same eager ZeRO-3 run
+    # block by block: one compiled graph for both blocks, against the same eager ZeRO-3 run; gathers coalesced (a
+    # prefetch bucket of 3000 elements, as test_parity_options.py's blocks case: each block graph has several runs,
+    # started ahead across the block graphs; eager ZeRO-3's arithmetic does not depend on the bucket)
     eager = {key: value for key, value in out["fp32"].items() if key.startswith("eager_")}
     out["blocks"] = {**eager, **run_compiled("gpt", STEPS, compile_section={"regions": "blocks"}, backend="inductor",
-                                             optimizer="sgd", grad_steps=1)}
+                                             optimizer="sgd", grad_steps=1,
+                                             zero_overrides={"stage3_prefetch_bucket_size": 3000})}
     return out
 
 
@@ -66,6 +69,14 @@ def test_inductor_matches_eager_zero3_and_saves_no_parameter():
         # one graph compiled, for the first block, ran compiled for the second too; nothing of it saved a parameter
         assert blocks["active"]
         assert_one_graph_serves_both_blocks(blocks)
+        # as with the eager backend (test_parity_options.py): outside the blocks only what the model's own frame
+        # reads as Python is gathered on access, once a step (the position table and the tied embedding weight of
+        # its output head); from the second step on every run but the step's first was started ahead (measured: 12
+        # eager gathers in 6 steps, 27 runs a step, 148 started ahead)
+        assert blocks["counters"]["eager_gathers"] == 2 * STEPS, blocks["counters"]
+        runs = blocks["runs_per_step"]
+        assert runs >= 12 and blocks["counters"]["runs_started_ahead"] >= (STEPS - 1) * (runs - 1), (
+            runs, blocks["counters"])
         assert blocks["saved"]["param_bytes"] == 0 and blocks["live_after_step"] == [0] * STEPS
 
 
