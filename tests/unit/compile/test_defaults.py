@@ -198,13 +198,19 @@ def _reduce_bytes_under_autocast(steps):
                 engine.backward(engine(idx, targets))
                 engine.step()
         out[name] = counts.reduce_scatter_bytes
+        if name == "deepcompile":
+            from deepspeed.compile.report import engine_report
+            out["active"] = engine.is_deepcompile_active()
+            out["reduces"] = (engine_report(engine) or {}).get("reduces", 0)
     return out
 
 
 def test_autocast_reduces_gradients_in_each_parameters_comm_dtype():
     """Under torch_autocast eager ZeRO-3 reduces the gradients of lower-precision-safe modules (nn.Linear here) in
-    bf16 and the others in fp32; DeepCompile moves exactly the same reduce-scatter bytes."""
+    bf16 and the others in fp32; DeepCompile moves exactly the same reduce-scatter bytes, from its own reduces (not
+    from eager ZeRO-3's hooks after a fallback)."""
     for r in run_distributed(_reduce_bytes_under_autocast, 3):
+        assert r["active"] and r["reduces"] > 0, r
         assert r["deepcompile"] == r["eager"] > 0, r
 
 
