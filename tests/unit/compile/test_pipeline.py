@@ -59,7 +59,9 @@ def test_fp32_matches_eager_zero3(model, optimizer):
         for name in frozen:
             assert torch.equal(r["params"][name], initial[name].detach()), f"frozen {name} changed"
         if model == "gpt":  # tied input/output embedding: one parameter, one gradient
-            assert "tok.weight" in r["grads"][0] and len(r["params"]) == len(initial)
+            # (never None), reduced once a backward, as every parameter: measured 280 reduces, 28 parameters in 10 steps
+            assert all(grads["tok.weight"] is not None for grads in r["grads"]), r["grads"]
+            assert r["counters"]["reduces"] == STEPS * len(initial), (r["counters"]["reduces"], len(initial))
             assert r["saved"]["param_bytes"] == 0, r["saved"]
             assert r["saved"]["other_bytes"] > 0
 
