@@ -25,15 +25,18 @@ def _cross_load(ckpt_dir):
             engine.compile(backend="eager")
         return engine
 
-    saved, continued = {}, {}
+    saved, continued, saver = {}, {}, {}
     for tag, compiled in (("eager", False), ("deepcompile", True)):
         engine = engine_for(compiled)
         train(engine, "gpt", TRAIN)
+        if compiled:  # what saves the checkpoint ran DeepCompile's graphs, not a fallback
+            saver = {"active": engine.is_deepcompile_active(),
+                     "gathers": runtime_of(engine, active_only=False).counters.gathers}
         engine.save_checkpoint(ckpt_dir, tag=tag)
         saved[tag] = full_params(engine)
         continued[tag] = (train(engine, "gpt", MORE, first_step=TRAIN), full_params(engine))
         engine.destroy()
-    out = {"saved_equal": not unequal(saved["eager"], saved["deepcompile"])}
+    out = {"saved_equal": not unequal(saved["eager"], saved["deepcompile"]), "saver": saver}
     for tag, compiled in (("deepcompile", False), ("eager", True)):  # load into the other kind of engine
         engine = engine_for(compiled)
         engine.load_checkpoint(ckpt_dir, tag=tag)
@@ -51,6 +54,7 @@ def _cross_load(ckpt_dir):
 
 def test_checkpoints_cross_load_between_deepcompile_and_eager_zero3(tmp_path):
     for out in run_distributed(_cross_load, str(tmp_path)):
+        assert out["saver"]["active"] and out["saver"]["gathers"] > 0, out["saver"]
         assert out["saved_equal"]
         for direction in ("deepcompile -> eager", "eager -> deepcompile"):
             r = out[direction]
