@@ -116,7 +116,9 @@ def test_release_follows_every_alias_use(models):
     for which in ("fw", "bw"):
         scheduled = fast_free_schedule(clone(getattr(models["gpt"], which)), collective_order="first_use")
         position = {n: i for i, n in enumerate(scheduled.graph.nodes)}
-        for release in (n for n in scheduled.graph.nodes if n.target is RELEASE):
+        releases = [n for n in scheduled.graph.nodes if n.target is RELEASE]
+        assert releases, f"the {which} graph releases nothing: nothing below is checked"
+        for release in releases:
             gathered, members, readers = release.args[0], [release.args[0]], []
             for member in members:
                 for user in member.users:
