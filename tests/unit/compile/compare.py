@@ -2,9 +2,10 @@
 the tests apply to what it returns.
 
 What is compared: the loss of every micro-step, the full gradients after every backward of the first
-``grad_steps`` steps (gathered from the ZeRO-3 gradient partitions before ``engine.step()``: a wrong gradient
-scale shows here even under AdamW, whose update is scale-invariant), the parameters after training (and the
-optimizer's fp32 master copies where parameters are bf16/fp16), and the module's buffers.
+``grad_steps`` steps (ZeRO-2, which holds full gradients only at an accumulation boundary: after each step's last
+backward; gathered from the gradient partitions before ``engine.step()``: a wrong gradient scale shows here even
+under AdamW, whose update is scale-invariant), the parameters after training (and the optimizer's fp32 master
+copies where parameters are bf16/fp16), and the module's buffers.
 """
 from typing import Any, Callable, Dict, List, Optional
 
@@ -59,7 +60,8 @@ def train_and_record(engine, model: str, steps: int, grad_steps: int, compile_kw
     grad_norms: List[float] = []
 
     def record_grads(e, step):
-        if step < grad_steps:
+        # ZeRO-2 holds a full gradient only at an accumulation boundary: there it is the step's accumulated one
+        if step < grad_steps and (e.zero_optimization_stage() != 2 or e.is_gradient_accumulation_boundary()):
             grads.append(full_grads(e))
 
     def record_live(e):

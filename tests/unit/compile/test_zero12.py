@@ -31,6 +31,7 @@ FP32_CASES = {  # name: (model, ds_config keywords)
 
 def _summary(r, stage):
     from compare import unequal
+    assert len(r["grads"]) == len(r["eager_grads"]), (len(r["grads"]), len(r["eager_grads"]))
     return {"losses": (r["losses"], r["eager_losses"]), "grad_norms": (r["grad_norms"], r["eager_grad_norms"]),
             "grads": [unequal(g, e) for g, e in zip(r["grads"], r["eager_grads"])],
             "params": unequal(r["params"], r["eager_params"]), "master": unequal(r["master"], r["eager_master"]),
@@ -111,9 +112,9 @@ def _stage_cases(stage, ckpt_dir):
     from compare import run_pair
     out = {}
     for case, (model, kwargs) in FP32_CASES.items():
-        # ZeRO-2 gives a full gradient only at an accumulation boundary: record them where there is one per step
-        grad_steps = 0 if stage == 2 and kwargs.get("grad_accum", 1) > 1 else 2
-        out[case] = _summary(run_pair(model, STEPS, stage=stage, grad_steps=grad_steps, **kwargs), stage)
+        # gradients after every backward of the first 2 steps; ZeRO-2 (full gradients only at an accumulation
+        # boundary) after each step's last one
+        out[case] = _summary(run_pair(model, STEPS, stage=stage, grad_steps=2, **kwargs), stage)
     out["break"] = _with_hooks(stage, "break")
     out["disable"] = _with_hooks(stage, "disable")
     out["checkpoint"] = _checkpoint_round_trip(stage, ckpt_dir)
@@ -138,6 +139,8 @@ def test_fp32_matches_eager_zero_bitwise(stage_results, case):
         assert r["counters"]["eager_grads"] == (4 * STEPS if case == "blocks" else 0), r["counters"]
         assert r["losses"][0] == r["losses"][1], r["losses"]
         assert r["grad_norms"][0] == r["grad_norms"][1], r["grad_norms"]
+        # 2 steps' gradients: of each micro-step, or, ZeRO-2 under accumulation, of each step's boundary
+        assert len(r["grads"]) == (4 if case == "accumulation" and stage == 1 else 2), r["grads"]
         assert all(not names for names in r["grads"]), r["grads"]
         assert r["params"] == [] and r["master"] == [], (r["params"], r["master"])
         assert r["counters"]["reduces"] > 0 and r["counters"]["reduce_collectives"] > 0, r["counters"]
