@@ -299,8 +299,9 @@ def _accelerate_dynamo_plugin():
     """Accelerate's ``TorchDynamoPlugin`` of this process, if Accelerate is in use and set one up (never imports or
     initializes Accelerate itself)."""
     state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "AcceleratorState", None), "_shared_state", None)
-    return shared.get("dynamo_plugin") if isinstance(shared, dict) else None
+    if state is None or not state.is_initialized():
+        return None
+    return getattr(state.AcceleratorState(), "dynamo_plugin", None)  # the shared state Accelerator set up
 
 
 def _adopt_regional_compile(engine) -> bool:
