@@ -3,9 +3,11 @@ runs a forward in it, and ends it.
 
 Stock DeepSpeed reaches this module only through thin adapters, files that exist because its ``engine.py``
 imports them by name (``docs/design.md`` lists them): ``init_z3`` -> :func:`activate_z3`; ``init_z1_and_2`` ->
-:func:`activate_z12`; ``init_sp``, ``init_tp`` -> :func:`fall_back`; ``z3_eager_fallback`` -> :func:`forward_context`; ``backend``
--> :class:`PassTimes`. ``report.py`` reads the state for users. Importing this module must stay cheap (stock
-DeepSpeed imports it at ``import deepspeed``): the runtime and compiler are imported when an engine activates.
+:func:`activate_z12`; ``init_sp``, ``init_tp`` -> :func:`fall_back`; ``z3_eager_fallback`` ->
+:func:`forward_context`; ``backend`` -> :class:`PassTimes`. ``report.py`` reads the state for users. Importing this
+module must stay cheap (stock DeepSpeed imports it at ``import deepspeed``): the runtime and compiler are imported
+when an engine activates. The forward context also adopts Accelerate's regional compilation
+(:func:`_adopt_regional_compile`).
 """
 import sys
 import weakref
@@ -324,8 +326,8 @@ def _adopt_regional_compile(engine) -> bool:
         reason = (f"Accelerate's dynamo backend {backend!r} is not one DeepCompile runs ('eager', 'inductor')"
                   if backend is not None else "they were not compiled by Accelerate's regional compilation")
         logger.warning(f"deepspeed-compile: 'deepcompile' is set, but engine.compile() was not called and "
-                       f"{len(compiled)} module(s) were compiled in place (nn.Module.compile); {reason}. DeepCompile is "
-                       "not active: those modules run eager ZeRO under plain torch.compile. Call engine.compile() "
+                       f"{len(compiled)} module(s) were compiled in place (nn.Module.compile); {reason}. DeepCompile "
+                       "is not active: those modules run eager ZeRO under plain torch.compile. Call engine.compile() "
                        "instead; '\"compile\": {\"regions\": \"blocks\"}' compiles block by block")
         return False
     for module in compiled:
