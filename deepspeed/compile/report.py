@@ -68,12 +68,13 @@ def collective_orders(engine) -> Optional[List[List[Tuple[str, int]]]]:
 
 
 def record_gathered_timeline(engine, on: bool = True) -> None:
-    """Start (clearing what was recorded) or stop recording live gathered bytes at every gather and release, and
-    the span of every collective (:func:`collective_spans`)."""
+    """Start (clearing what was recorded) or stop recording live gathered bytes at every gather and release, the
+    span of every collective (:func:`collective_spans`) and the collectives issued (:func:`issued_collectives`)."""
     runtime = runtime_of(engine)
     if runtime is not None:
         runtime.gathered_timeline = [] if on else None
         runtime.collective_spans = [] if on else None
+        runtime.issued_collectives = [] if on else None
 
 
 def gathered_timeline(engine) -> Optional[List[Tuple[float, int]]]:
@@ -94,3 +95,12 @@ def collective_spans(engine) -> Optional[List[Tuple[str, float, float]]]:
     recording started: when communication was in flight. A blocking collective is issued when its wait starts."""
     runtime = runtime_of(engine)
     return None if runtime is None or runtime.collective_spans is None else list(runtime.collective_spans)
+
+
+def issued_collectives(engine) -> Optional[List[Tuple[str, Tuple[int, ...], int]]]:
+    """``(kind, ds_ids, elements sent)`` of every all-gather and reduce-scatter the ZeRO-3 runtime issued since
+    recording started, in issue order: the runtime's own order, prefetched runs and bucket flushes included (the
+    compiled graphs' static order is :func:`collective_orders`). Every rank must record the same list."""
+    runtime = runtime_of(engine)
+    return None if runtime is None or getattr(runtime, "issued_collectives", None) is None \
+        else list(runtime.issued_collectives)

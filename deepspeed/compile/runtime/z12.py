@@ -84,6 +84,7 @@ class Z12Runtime:
     gather_bucket_numel = 0  # nothing to coalesce
     gathered_timeline = None  # no gathered memory to record (report.py)
     collective_spans = None
+    issued_collectives = None  # ZeRO's optimizer issues the reductions of these stages
 
     def prefetch_bucket_bytes(self) -> int:
         return 0

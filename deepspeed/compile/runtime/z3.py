@@ -146,6 +146,9 @@ class Z3Runtime:
         self.gathered_timeline: Optional[List[Tuple[float, int]]] = None
         # (kind, issued, waited for) of every collective, while recording: when communication was in flight
         self.collective_spans: Optional[List[Tuple[str, float, float]]] = None
+        # (kind, ds_ids of its parameters, elements sent) of every collective this runtime issued, in issue order,
+        # while recording: every rank must issue the same sequence (a mismatch of equal sizes would not even hang)
+        self.issued_collectives: Optional[List[Tuple[str, Tuple[int, ...], int]]] = None
         self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
         self._gathered_at: Dict[int, Tuple[int, torch.dtype]] = {}  # a gathered tensor's data_ptr -> its key
         self._by_standin: Dict[int, Parameter] = {}  # a stand-in's storage address -> its parameter (param_of)
@@ -240,6 +243,7 @@ class Z3Runtime:
         start = time.perf_counter()
         if self.shards_offloaded:
             shard = shard.to(self.device, non_blocking=True)
+        self._note_issued("all-gather", (param,), shard.numel())
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
         with self._timeout_named(lambda: f"the all-gather of parameter {self.eager.name(param)}"):
             flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.timeout)
@@ -357,6 +361,7 @@ class Z3Runtime:
             recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
             work = dist.all_gather_into_tensor(recv.view(-1), send, group=self.group, async_op=True)
         self.counters.allgather_collectives += 1
+        self._note_issued("all-gather", members, send.numel())
         self._add_live_bytes(recv.numel() * recv.element_size(), eager=False)
         return _Started(work, send, recv, members, dtype, time.perf_counter())
 
@@ -426,6 +431,10 @@ class Z3Runtime:
             self.counters.reduce_wait_seconds += now - waited_from
         if self.collective_spans is not None:
             self.collective_spans.append((kind, waited_from if issued is None else issued, now))
+
+    def _note_issued(self, kind: str, params, numel: int) -> None:
+        if self.issued_collectives is not None:
+            self.issued_collectives.append((kind, tuple(p.ds_id for p in params), numel))
 
     def _record_live(self) -> None:
         if self.gathered_timeline is not None:
@@ -551,6 +560,7 @@ class Z3Runtime:
         self.counters.reduce_scatter_bytes += send.numel() * send.element_size()
         self.counters.reduce_bytes += send.numel() * send.element_size()
         self.counters.reduce_collectives += 1
+        self._note_issued("reduce-scatter", [param for param, _ in bucket.items], send.numel())
         self._pending_reduces.append(_PendingReduce(work, bucket.buffer, recv, bucket.items, time.perf_counter()))
 
     def _finish_reduces(self) -> None:

@@ -273,19 +273,32 @@ def test_native_gather_trains_like_python_gather():
               f"= {out['native'][2] / out['python'][2]:.2f}")
 
 
-def _collective_orders():
+def _collective_orders(backend):
+    from deepspeed.compile.report import issued_collectives, record_gathered_timeline
     from models import ds_config
     from training import make_engine, train
-    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "prefetch": 2}))
-    train(engine, "gpt", 2, compile_kwargs={"backend": "eager"})
-    return collective_orders(engine)
+    # gathers coalesced into runs (a 3000-element prefetch bucket), the next run started ahead
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "prefetch": 2},
+                                          zero_overrides={"stage3_prefetch_bucket_size": 3000}))
+    engine.compile(backend=backend)
+    record_gathered_timeline(engine)
+    train(engine, "gpt", 3)
+    return {"static": collective_orders(engine), "issued": issued_collectives(engine),
+            "ahead": runtime_of(engine).counters.runs_started_ahead}
 
 
-def test_scheduled_collective_order_is_the_same_on_every_rank():
-    orders = run_distributed(_collective_orders)
-    assert len(orders[0]) == 2  # one forward and one backward graph
-    assert all(order for order in orders[0])
-    assert orders[0] == orders[1]
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_collective_order_is_the_same_on_every_rank(backend):
+    """The compiled graphs' static order, and the collectives the runtime actually issued (coalesced runs started
+    ahead of their use, bucket flushes), are the same on both ranks: kind, parameters and size, in order."""
+    r0, r1 = run_distributed(_collective_orders, backend, timeout_s=300)
+    assert len(r0["static"]) == 2 and all(order for order in r0["static"])  # one forward and one backward graph
+    assert r0["static"] == r1["static"]
+    issued = r0["issued"]
+    assert {kind for kind, _, _ in issued} == {"all-gather", "reduce-scatter"}, issued[:4]
+    assert any(len(ds_ids) > 1 for kind, ds_ids, _ in issued if kind == "all-gather"), issued[:8]  # coalesced
+    assert r0["ahead"] > 0 and r1["ahead"] > 0, (r0["ahead"], r1["ahead"])
+    assert issued == r1["issued"]
 
 
 def test_persistent_parameters_match_eager_zero3():

@@ -92,7 +92,9 @@ def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                           config=_config(deepcompile, bf16))
         if deepcompile:
+            from deepspeed.compile.report import record_gathered_timeline
             engine.compile(backend=backend)
+            record_gathered_timeline(engine)  # and the collectives issued, compared across ranks
         first_grads = {}
 
         def keep_first_grads(step):
@@ -104,15 +106,30 @@ def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool):
         out[key], out[key + "_grad_norms"] = _train_steps(engine, steps, after_backward=keep_first_grads)
         out[key + "_grads"] = first_grads
         if deepcompile:
-            from deepspeed.compile.report import engine_report
+            from deepspeed.compile.report import engine_report, issued_collectives
             out["active"] = engine.is_deepcompile_active()
             out["report"] = engine_report(engine)
+            out["issued"] = issued_collectives(engine)
         engine.destroy()
     return out
 
 
 def _max_rel(a, b):
     return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+def _assert_ranks_issued_the_same_collectives(results):
+    """Both ranks issued the same all-gathers and reduce-scatters, of the same parameters, in the same order (their
+    batches differ in length, so each rank compiles its own shapes). A mismatch of two collectives of equal size
+    would not even hang: it would exchange the wrong parameters. Runs of gathers were started ahead, asynchronously
+    (with "auto" bucket sizes a prefetch bucket, 0.9 hidden^2 elements, holds about one weight: each run is one)."""
+    issued = [r["issued"] for r in results]
+    kinds = {kind for kind, _, _ in issued[0]}
+    assert kinds == {"all-gather", "reduce-scatter"}, kinds
+    assert all(r["report"]["runs_started_ahead"] > 0 for r in results), [r["report"] for r in results]
+    first = next((i for i, (a, b) in enumerate(zip(*issued)) if a != b), min(map(len, issued)))
+    assert issued[0] == issued[1], (first, len(issued[0]), len(issued[1]), issued[0][first:first + 1],
+                                    issued[1][first:first + 1])
 
 
 def _eager_backend_cases(steps):
@@ -122,7 +139,10 @@ def _eager_backend_cases(steps):
 
 def test_eager_backend_fp32_with_and_without_gradient_checkpointing():
     steps = 4
-    for by_case in run_distributed(_eager_backend_cases, steps, timeout_s=400):
+    results = run_distributed(_eager_backend_cases, steps, timeout_s=400)
+    for case in results[0]:
+        _assert_ranks_issued_the_same_collectives([by_case[case] for by_case in results])
+    for by_case in results:
         for case, r in by_case.items():
             assert r["active"], case
             assert r["report"]["gathers"] > 0 and r["report"]["eager_gathers"] == 0, (case, r["report"])
@@ -137,10 +157,13 @@ def test_eager_backend_fp32_with_and_without_gradient_checkpointing():
 def test_inductor_bf16_with_lengths_differing_across_ranks():
     """Each rank compiles its own shapes, and inductor orders ops by shape-dependent rules: without
     ``chain_collectives_pass`` the two ranks' backward graphs issued their reduces in different orders and a
-    reduce-scatter met one of another size (a gloo size mismatch). Losses, first-step gradients and gradient norms
-    within the bf16 bounds of the module docstring; the graphs gathered and reduced."""
+    reduce-scatter met one of another size (a gloo size mismatch). Both ranks issue the same collectives in the same
+    order, coalesced runs started ahead included. Losses, first-step gradients and gradient norms within the bf16
+    bounds of the module docstring; the graphs gathered and reduced."""
     steps = 4
-    for r in run_distributed(_train, steps, "inductor", True, False, timeout_s=500):
+    results = run_distributed(_train, steps, "inductor", True, False, timeout_s=500)
+    _assert_ranks_issued_the_same_collectives(results)
+    for r in results:
         assert r["active"]
         assert r["report"]["gathers"] > 0 and r["report"]["reduces"] > 0, r["report"]
         assert _max_rel(r["eager"], r["compiled"]) <= 1e-3, (r["eager"], r["compiled"])
