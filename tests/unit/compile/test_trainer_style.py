@@ -536,9 +536,8 @@ def _from_pretrained_under_zero_init(workdir: str):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
         if deepcompile:
             engine.compile(backend="eager")
-        losses = _train_steps(engine, 4)
-        out[deepcompile] = {"losses": losses, "partitioned_at_load": partitioned_at_load,
-                            "grad_norm": [float(engine.get_global_grad_norm())],  # the last step's
+        losses, grad_norms = _train_steps(engine, 4)
+        out[deepcompile] = {"losses": losses, "partitioned_at_load": partitioned_at_load, "grad_norms": grad_norms,
                             "active": engine.is_deepcompile_active(), "report": engine_report(engine)}
         engine.destroy()
         del hf_config
@@ -547,14 +546,14 @@ def _from_pretrained_under_zero_init(workdir: str):
 
 def test_model_built_under_zero_init_trains_as_eager_zero3(tmp_path):
     """No other test builds the model under ``zero.Init``, the path every ``from_pretrained`` with ZeRO-3 takes.
-    Losses and the last step's gradient norm within 1e-5 relative of eager ZeRO-3's (fp32, eager backend, as above;
-    measured: losses within 9e-8, the gradient norm within 4e-9)."""
+    Losses and gradient norms within 1e-5 relative of eager ZeRO-3's (fp32, eager backend, as above; measured: losses
+    within 9e-8, gradient norms within 2e-8)."""
     for r in run_distributed(_from_pretrained_under_zero_init, str(tmp_path / "model"), timeout_s=300):
         eager, compiled = r[False], r[True]
         assert eager["partitioned_at_load"] and compiled["partitioned_at_load"], r
         assert compiled["active"] and compiled["report"]["gathers"] > 0, compiled["report"]
         assert compiled["report"]["eager_gathers"] == 0, compiled["report"]
         print("zero.Init against eager ZeRO-3: losses", _max_rel(eager["losses"], compiled["losses"]),
-              "grad norm", _max_rel(eager["grad_norm"], compiled["grad_norm"]))
+              "grad norms", _max_rel(eager["grad_norms"], compiled["grad_norms"]))
         assert _max_rel(eager["losses"], compiled["losses"]) <= 1e-5, (eager["losses"], compiled["losses"])
-        assert _max_rel(eager["grad_norm"], compiled["grad_norm"]) <= 1e-5, (eager, compiled)
+        assert _max_rel(eager["grad_norms"], compiled["grad_norms"]) <= 1e-5, (eager, compiled)
