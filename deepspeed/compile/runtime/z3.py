@@ -151,6 +151,9 @@ class Z3Runtime:
         self.issued_collectives: Optional[List[Tuple[str, Tuple[int, ...], int]]] = None
         self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
         self._gathered_at: Dict[int, Tuple[int, torch.dtype]] = {}  # a gathered tensor's data_ptr -> its key
+        self._gathered_step = engine.global_steps  # the optimizer step the gathered copies hold the weights of
+        self._forgotten_at: set = set()  # data_ptrs of copies forgotten by _forget_held (their release: a no-op)
+        self._warned_forgotten = False
         self._by_standin: Dict[int, Parameter] = {}  # a stand-in's storage address -> its parameter (param_of)
         self._moved_plans: Dict[Tuple[str, int], Tuple[Run, Run]] = {}  # (plan, first parameter) -> its runs
         self._buckets: Dict[torch.dtype, _Bucket] = {}
@@ -388,6 +391,7 @@ class Z3Runtime:
         nbytes = flat.numel() * flat.element_size()
         self._gathered[(param.ds_id, dtype)] = _Gathered(full, refs, nbytes)
         self._gathered_at[full.data_ptr()] = (param.ds_id, dtype)
+        self._forgotten_at.discard(full.data_ptr())  # the address of a forgotten copy, freed since and reused
         c = self.counters
         c.gathers += 1
         c.allgather_bytes += nbytes
@@ -440,11 +444,40 @@ class Z3Runtime:
         if self.gathered_timeline is not None:
             self.gathered_timeline.append((time.perf_counter(), self.counters.live_gathered_bytes))
 
+    def _forget_stale(self) -> None:
+        """Before each forward: gathered copies made before the last optimizer step hold the old weights, and the
+        next gather must not share them (:meth:`_forget_held`)."""
+        if self.engine.global_steps != self._gathered_step:
+            self._gathered_step = self.engine.global_steps
+            self._forget_held()
+
+    def _forget_held(self) -> int:
+        """Forget the gathered copies still referenced, and return their bytes. At the end of a backward, and at an
+        optimizer step, a copy is referenced only by a forward whose backward never ran (an evaluation that forgot
+        ``no_grad``, an output dropped): the parameters its graph keeps for backward are never released. Shared by a
+        later gather they would hold the runtime's memory for good and, after an optimizer step, the old weights (a
+        later forward trained on them). Forgotten, they are gathered anew when used; their storage goes with the
+        autograd graph that saved them (not freed here: a backward of that graph still reads them, and its releases
+        are then no-ops)."""
+        nbytes = 0
+        for key in [k for k, entry in self._gathered.items() if entry.refs > 0]:
+            entry = self._gathered.pop(key)
+            address = entry.tensor.data_ptr()
+            self._gathered_at.pop(address, None)
+            self._forgotten_at.add(address)
+            nbytes += entry.nbytes
+        if nbytes:
+            self.counters.live_gathered_bytes -= nbytes
+            self._record_live()
+        return nbytes
+
     def release(self, tensor: Tensor, traced_ds_id: int = -1) -> None:
         """The ``release_param`` op: one reference to the gathered parameter ``tensor`` dropped (``traced_ds_id`` is
         not used, as in :meth:`gather`)."""
         address = tensor.data_ptr()
         key = self._gathered_at.get(address)
+        if key is None and address in self._forgotten_at:  # a copy forgotten while its graph lived (_forget_held)
+            return
         entry = None if key is None or key[1] != tensor.dtype else self._gathered.get(key)
         if entry is None:
             raise AssertionError(f"release of a tensor ({tensor.dtype}, shape {tuple(tensor.shape)}) that is not a "
@@ -665,6 +698,7 @@ class Z3Runtime:
         ``outside`` a submodule called outside any forward."""
         if not outside:
             self._remove_outside_hooks()
+        self._forget_stale()
         pending = self._backward_pending  # a forward whose backward has not run yet (this one then runs between)
         # Both are kept across steps, so never made as inference tensors (under an eval's torch.inference_mode): a
         # later training step saves them for backward, which autograd refuses for inference tensors.
@@ -722,6 +756,13 @@ class Z3Runtime:
         self.eager.release()
         standins.uninstall(self.params.values())
         self._backward_pending = False
+        forgotten = self._forget_held()
+        if forgotten and not self._warned_forgotten:
+            self._warned_forgotten = True
+            log.warning("deepspeed-compile: a forward ran with grad enabled and its backward did not (an evaluation "
+                        "without torch.no_grad()?): the %d gathered bytes its graph keeps for backward stay allocated "
+                        "until that graph is freed (eager ZeRO-3 frees its parameters after each module instead). "
+                        "Run such forwards under torch.no_grad()", forgotten)
         if self.counters.live_gathered_bytes:
             log.warning("deepspeed-compile: %d gathered bytes still live after backward",
                         self.counters.live_gathered_bytes)
