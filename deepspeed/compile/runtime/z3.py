@@ -446,9 +446,10 @@ class Z3Runtime:
 
     def _forget_stale(self) -> None:
         """Before each forward: gathered copies made before the last optimizer step hold the old weights, and the
-        next gather must not share them (:meth:`_forget_held`)."""
+        next gather must not share them (:meth:`_forget_held`), nor take a run prefetched before the step."""
         if self.engine.global_steps != self._gathered_step:
             self._gathered_step = self.engine.global_steps
+            self._drop_unclaimed()
             self._forget_held()
 
     def _forget_held(self) -> int:
