@@ -102,5 +102,4 @@ def issued_collectives(engine) -> Optional[List[Tuple[str, Tuple[int, ...], int]
     recording started, in issue order: the runtime's own order, prefetched runs and bucket flushes included (the
     compiled graphs' static order is :func:`collective_orders`). Every rank must record the same list."""
     runtime = runtime_of(engine)
-    return None if runtime is None or getattr(runtime, "issued_collectives", None) is None \
-        else list(runtime.issued_collectives)
+    return None if runtime is None or runtime.issued_collectives is None else list(runtime.issued_collectives)
