@@ -69,42 +69,56 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-class Llama(nn.Module):
-    """``transformers.LlamaForCausalLM`` with random weights, returning the loss of (idx, targets)."""
+class CausalLM(nn.Module):
+    """A ``transformers`` causal LM with random weights, returning the loss of (idx, targets)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=idx, use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class Llama(CausalLM):
+    """``transformers.LlamaForCausalLM``: untied head, grouped-query attention, SwiGLU MLP."""
 
     def __init__(self, size: ModelSize):
-        super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
         config = LlamaConfig(vocab_size=size.vocab, hidden_size=size.dim, intermediate_size=(8 * size.dim) // 3,
                              num_hidden_layers=size.layers, num_attention_heads=size.heads,
                              num_key_value_heads=max(1, size.heads // 2), max_position_embeddings=size.seq,
                              use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
-        self.model = LlamaForCausalLM(config)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids=idx, use_cache=False).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        super().__init__(LlamaForCausalLM(config))
 
 
-class GPT2(nn.Module):
-    """``transformers.GPT2LMHeadModel`` with random weights (its head tied to the token embedding, as GPT-2's is),
-    returning the loss of (idx, targets)."""
+class GPT2(CausalLM):
+    """``transformers.GPT2LMHeadModel``: its head tied to the token embedding, as GPT-2's is; ``Conv1D`` layers."""
 
     def __init__(self, size: ModelSize):
-        super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
         # no dropout: configurations are compared by their losses
         config = GPT2Config(vocab_size=size.vocab, n_positions=size.seq, n_embd=size.dim, n_layer=size.layers,
                             n_head=size.heads, use_cache=False, attn_implementation="sdpa", bos_token_id=0,
                             eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        self.model = GPT2LMHeadModel(config)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids=idx, use_cache=False).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        super().__init__(GPT2LMHeadModel(config))
 
 
-MODELS = {"gpt": GPT, "llama": Llama, "gpt2": GPT2}
+class Qwen2(CausalLM):
+    """``transformers.Qwen2ForCausalLM`` as the small Qwen2 models are: head tied to the embedding, biases on the
+    query, key and value projections only, grouped-query attention."""
+
+    def __init__(self, size: ModelSize):
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        config = Qwen2Config(vocab_size=size.vocab, hidden_size=size.dim, intermediate_size=(8 * size.dim) // 3,
+                             num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                             num_key_value_heads=max(1, size.heads // 2), max_position_embeddings=size.seq,
+                             use_cache=False, tie_word_embeddings=True, attn_implementation="sdpa")
+        super().__init__(Qwen2ForCausalLM(config))
+
+
+MODELS = {"gpt": GPT, "llama": Llama, "gpt2": GPT2, "qwen2": Qwen2}
 
 
 def make_model(name: str, size: str = "small", seed: int = 0) -> nn.Module:
@@ -120,7 +134,7 @@ def blocks(model: nn.Module) -> List[nn.Module]:
     """The repeated layers (FSDP2 shards each one, then the root)."""
     if isinstance(model, GPT):
         return list(model.blocks)
-    if isinstance(model, Llama):
+    if isinstance(model, (Llama, Qwen2)):
         return list(model.model.model.layers)
     if isinstance(model, GPT2):
         return list(model.model.transformer.h)

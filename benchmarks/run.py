@@ -31,6 +31,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from benchmarks import compile_profile  # noqa: E402
+from benchmarks.models import MODELS  # noqa: E402
 from benchmarks.plots import config_name, file_stem, plot_all  # noqa: E402
 from benchmarks.worker import DTYPES, EAGER_ROWS, ROWS, add_setting_args, setting_argv  # noqa: E402
 
@@ -234,7 +235,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of fp32,bf16,autocast")
     p.add_argument("--backends", default="eager", help="compile backends for compiled rows: eager,inductor")
-    p.add_argument("--model", default="gpt", choices=("gpt", "llama", "gpt2"))
+    p.add_argument("--model", default="gpt", choices=sorted(MODELS))
     p.add_argument("--size", default="small", choices=("small", "large"))
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     p.add_argument("--rounds", type=int, default=1,

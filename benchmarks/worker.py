@@ -55,12 +55,15 @@ Step = Tuple[Callable[[Tuple[torch.Tensor, ...]], torch.Tensor], Callable[[torch
 
 
 def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optional[Dict[str, Any]],
-              zero_settings: str = "tuned", stage: int = 3) -> Dict[str, Any]:
+              zero_settings: str = "tuned", stage: int = 3, hidden: int = 0) -> Dict[str, Any]:
     """One ZeRO config for every DeepSpeed row (stage 3 unless ``stage``). ``tuned``: buckets sized to the model
     (reduce a quarter of it, prefetch an eighth), nothing persistent.
     ``defaults``: the ZeRO section says only the stage, as most users' configs do (DeepSpeed's 5e8-element
     buckets, parameters under 1e5 elements persistent). ``offload``: the defaults with ZeRO-3's parameter shards and
-    optimizer on the CPU (``offload_param`` and ``offload_optimizer``, as Hugging Face's "zero3 offload" config)."""
+    optimizer on the CPU (``offload_param`` and ``offload_optimizer``, as Hugging Face's "zero3 offload" config).
+    ``hf-auto``: Hugging Face's ZeRO-3 example config with its "auto" values filled in as its Trainer fills them from
+    the model's ``hidden`` size (buckets of about one hidden x hidden weight, parameters under 10 x hidden elements
+    persistent, reuse distance and live parameters 1e9, ``overlap_comm``)."""
     bucket = int(max(model_numel // 4, 1 << 16))
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
@@ -82,10 +85,20 @@ def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optiona
             raise ValueError("--zero-settings offload: parameter offload is ZeRO-3's; choose ZeRO-3 rows")
         config["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"},
                                        "offload_optimizer": {"device": "cpu"}}
+    elif zero_settings == "hf-auto":
+        if hidden <= 0:
+            raise ValueError("--zero-settings hf-auto: the model's hidden size is needed for its auto values")
+        config["zero_optimization"] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                                       "reduce_bucket_size": hidden * hidden}
+        if stage == 3:
+            config["zero_optimization"].update({
+                "sub_group_size": int(1e9), "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+                "stage3_param_persistence_threshold": 10 * hidden, "stage3_max_live_parameters": int(1e9),
+                "stage3_max_reuse_distance": int(1e9)})
     elif stage != 3:  # ZeRO-1/2 read the reduce and all-gather buckets only
         config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     elif zero_settings != "tuned":
-        raise ValueError(f"zero_settings must be 'tuned', 'defaults' or 'offload', got {zero_settings!r}")
+        raise ValueError(f"zero_settings must be 'tuned', 'defaults', 'offload' or 'hf-auto', got {zero_settings!r}")
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     elif dtype == "autocast":
@@ -101,7 +114,8 @@ def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[S
     if args.row.startswith("ours-"):
         section = {"deepcompile": True, "partitioner": "min_cut", **ROW_SECTIONS.get(args.row, {})}
     stage = 1 if "zero1" in args.row else 2 if "zero2" in args.row else 3
-    config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section, args.zero_settings, stage)
+    config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section, args.zero_settings, stage,
+                       hidden=SIZES[args.size].dim)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     if args.row not in EAGER_ROWS:
         engine.compile(backend=args.backend)
@@ -307,9 +321,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def add_setting_args(p: argparse.ArgumentParser) -> None:
     """The settings ``run.py`` takes and hands to every worker as they are (``setting_argv``)."""
-    p.add_argument("--zero-settings", choices=("tuned", "defaults", "offload"), default="tuned",
+    p.add_argument("--zero-settings", choices=("tuned", "defaults", "offload", "hf-auto"), default="tuned",
                    help="ZeRO knobs of the DeepSpeed rows: sized to the model (tuned), DeepSpeed's defaults (only "
-                        "the stage set), or the defaults with parameters and optimizer offloaded to the CPU (offload)")
+                        "the stage set), the defaults with parameters and optimizer offloaded to the CPU (offload), or "
+                        "Hugging Face's ZeRO-3 example config with its \"auto\" values filled from the hidden size "
+                        "(hf-auto)")
     p.add_argument("--fsdp2-autocast", choices=("policy", "torch"), default="policy",
                    help="FSDP2 rows under autocast: FSDP2's mixed-precision policy (bf16 parameters and compute, the "
                         "default) or torch.autocast over fp32 parameters, the numerics of DeepSpeed's torch_autocast")
