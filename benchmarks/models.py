@@ -81,16 +81,20 @@ class CausalLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+def _decoder_config(size: ModelSize, **extra) -> dict:
+    """The config of a Llama-style decoder of this size: SwiGLU MLP, grouped-query attention (half the heads)."""
+    return dict(vocab_size=size.vocab, hidden_size=size.dim, intermediate_size=(8 * size.dim) // 3,
+                num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                num_key_value_heads=max(1, size.heads // 2), max_position_embeddings=size.seq, use_cache=False,
+                attn_implementation="sdpa", **extra)
+
+
 class Llama(CausalLM):
     """``transformers.LlamaForCausalLM``: untied head, grouped-query attention, SwiGLU MLP."""
 
     def __init__(self, size: ModelSize):
         from transformers import LlamaConfig, LlamaForCausalLM
-        config = LlamaConfig(vocab_size=size.vocab, hidden_size=size.dim, intermediate_size=(8 * size.dim) // 3,
-                             num_hidden_layers=size.layers, num_attention_heads=size.heads,
-                             num_key_value_heads=max(1, size.heads // 2), max_position_embeddings=size.seq,
-                             use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
-        super().__init__(LlamaForCausalLM(config))
+        super().__init__(LlamaForCausalLM(LlamaConfig(**_decoder_config(size, tie_word_embeddings=False))))
 
 
 class GPT2(CausalLM):
@@ -111,11 +115,7 @@ class Qwen2(CausalLM):
 
     def __init__(self, size: ModelSize):
         from transformers import Qwen2Config, Qwen2ForCausalLM
-        config = Qwen2Config(vocab_size=size.vocab, hidden_size=size.dim, intermediate_size=(8 * size.dim) // 3,
-                             num_hidden_layers=size.layers, num_attention_heads=size.heads,
-                             num_key_value_heads=max(1, size.heads // 2), max_position_embeddings=size.seq,
-                             use_cache=False, tie_word_embeddings=True, attn_implementation="sdpa")
-        super().__init__(Qwen2ForCausalLM(config))
+        super().__init__(Qwen2ForCausalLM(Qwen2Config(**_decoder_config(size, tie_word_embeddings=True))))
 
 
 MODELS = {"gpt": GPT, "llama": Llama, "gpt2": GPT2, "qwen2": Qwen2}

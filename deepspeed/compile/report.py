@@ -70,17 +70,22 @@ def collective_orders(engine) -> Optional[List[List[Tuple[str, int]]]]:
 def record_gathered_timeline(engine, on: bool = True) -> None:
     """Start (clearing what was recorded) or stop recording live gathered bytes at every gather and release, the
     span of every collective (:func:`collective_spans`) and the collectives issued (:func:`issued_collectives`)."""
+    comm = _comm_of(engine)
+    if comm is not None:
+        comm.record(on)
+
+
+def _comm_of(engine):
+    """The ZeRO-3 runtime's record of its collectives (ZeRO-1/2: none, ZeRO's optimizer issues the reductions and
+    nothing is gathered)."""
     runtime = runtime_of(engine)
-    if runtime is not None:
-        runtime.gathered_timeline = [] if on else None
-        runtime.collective_spans = [] if on else None
-        runtime.issued_collectives = [] if on else None
+    return getattr(runtime, "comm", None)
 
 
 def gathered_timeline(engine) -> Optional[List[Tuple[float, int]]]:
     """``(time.perf_counter(), live gathered bytes)`` at every change since recording started."""
-    runtime = runtime_of(engine)
-    return None if runtime is None or runtime.gathered_timeline is None else list(runtime.gathered_timeline)
+    comm = _comm_of(engine)
+    return None if comm is None or comm.gathered_timeline is None else list(comm.gathered_timeline)
 
 
 def reset_counters(engine) -> None:
@@ -93,13 +98,13 @@ def reset_counters(engine) -> None:
 def collective_spans(engine) -> Optional[List[Tuple[str, float, float]]]:
     """``(kind, issued, waited for)`` in ``time.perf_counter()`` seconds for every all-gather and reduce-scatter since
     recording started: when communication was in flight. A blocking collective is issued when its wait starts."""
-    runtime = runtime_of(engine)
-    return None if runtime is None or runtime.collective_spans is None else list(runtime.collective_spans)
+    comm = _comm_of(engine)
+    return None if comm is None or comm.collective_spans is None else list(comm.collective_spans)
 
 
 def issued_collectives(engine) -> Optional[List[Tuple[str, Tuple[int, ...], int]]]:
     """``(kind, ds_ids, elements sent)`` of every all-gather and reduce-scatter the ZeRO-3 runtime issued since
     recording started, in issue order: the runtime's own order, prefetched runs and bucket flushes included (the
     compiled graphs' static order is :func:`collective_orders`). Every rank must record the same list."""
-    runtime = runtime_of(engine)
-    return None if runtime is None or runtime.issued_collectives is None else list(runtime.issued_collectives)
+    comm = _comm_of(engine)
+    return None if comm is None or comm.issued_collectives is None else list(comm.issued_collectives)

@@ -3,7 +3,7 @@
 Each op carries the id of the runtime that owns it (see ``registry``) and the ``ds_id`` of the parameter the graph
 was traced with; the work is done by that runtime. At run time an op finds its parameter from the tensors it is
 given, never from the ``ds_id``: a gather from its stand-in input, a release from the gathered tensor, a reduce
-from the parameter input it is handed, a run of coalesced gathers from its first member (``Z3Runtime._run_plan``).
+from the parameter input it is handed, a run of coalesced gathers from its first member (``GatherRuns.run``, runtime/z3_runs.py).
 So one compiled graph serves every module of the same code (dynamo reuses a graph for every block of a model it
 compiles block by block, its guards being on metadata), each call on its own parameters. The ``ds_id`` names the traced parameter for the compiler's passes and reports.
 Ops with no result declare the mutation they really perform (``release_param`` frees the gathered buffer's
@@ -30,7 +30,7 @@ def gather_param(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[t
     backend's own reordering as a data dependency). ``plan``: empty, or the run of gathers this one starts and
     the run after it (``coalesce_gathers_pass``, :func:`encode_plan`): the run is gathered in one collective and
     the next run's collective is started ahead. The plan names the traced parameters; a graph serving another
-    module of the same code maps them by name, relative to this op's own parameter (``Z3Runtime._run_plan``). Text,
+    module of the same code maps them by name, relative to this op's own parameter (``GatherRuns.run``, runtime/z3_runs.py). Text,
     not lists (inductor's generated code drops the contents of a gather's list arguments: ints, and graph inputs
     too), and not an id the compiler registers with the runtime: a graph loaded from torch's compile caches never
     ran our compiler, so each op must say all it needs."""

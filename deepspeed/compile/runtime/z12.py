@@ -82,9 +82,6 @@ class Z12Runtime:
         return [self._key.get(id(t)) if isinstance(t, Parameter) else None for t in inputs]
 
     gather_bucket_numel = 0  # nothing to coalesce
-    gathered_timeline = None  # no gathered memory to record (report.py)
-    collective_spans = None
-    issued_collectives = None  # ZeRO's optimizer issues the reductions of these stages
 
     def prefetch_bucket_bytes(self) -> int:
         return 0

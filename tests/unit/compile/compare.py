@@ -114,7 +114,7 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
                 # per compiled graph (forward and backward): the parameters its collectives were traced with
                 "traced_params": [sorted({names[key] for _, key in order}) for order in state.stats.collective_orders],
                 # coalesced runs the last step gathered (ZeRO-3, regions='blocks': the runtime's record of them)
-                "runs_per_step": len(getattr(state.runtime, "_runs_last_step", ()))})
+                "runs_per_step": len(state.runtime.runs.last_step) if stage == 3 else 0})
     compiled.destroy()
     return out
 

@@ -72,7 +72,7 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
         result = {"losses": losses, "params": full_params(engine), "step_s": sorted(times[2:])[len(times[2:]) // 2]}
         runtime = runtime_of(engine, active_only=False)
         if runtime is not None:
-            result["bucket_numel"] = max(b.numel() for bufs in runtime._bucket_buffers.values() for b in bufs)
+            result["bucket_numel"] = max(b.numel() for bufs in runtime.reducer.buffers.values() for b in bufs)
             result["partition_numel"] = sum(p.partition_numel() for p in runtime.params.values()) * runtime.world_size
             result["active"] = engine.is_deepcompile_active()
             result["gathers"] = runtime.counters.gathers

@@ -1,0 +1,214 @@
+"""Coalesced, prefetched gathers: the runs of the ZeRO-3 runtime.
+
+The schedule groups gathers that sit next to each other in a graph into runs of up to
+``stage3_prefetch_bucket_size`` elements and gives each run's first ``gather_param`` op a plan: the run's parameters
+and the run after it (``ops.encode_plan``). A run goes out as one collective per gather dtype (split into chunks),
+and when its first op runs, the next run's collective is started without waiting, so one run is in flight ahead of
+its use. A graph may serve another module of the same code (``regions: "blocks"``): its plans then name the traced
+module's parameters and are moved to the module it runs on. With ``prefetch_across_graphs`` each step's runs are
+recorded, and the last run of a graph starts the run that came next in the last step.
+"""
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Parameter
+
+from ..native.gather import cast_all_gather_start
+from .comm import CommLog
+from .ops import Run, decode_plan
+
+# a run's collective goes out in chunks of about this many gathered elements (see _start_chunks): 2^20 (4 MiB of
+# fp32) amortizes a collective's fixed cost and keeps the copy-out transient to a few MiB
+GATHER_CHUNK_NUMEL = 1 << 20
+
+
+@dataclass
+class Plan:
+    members: Run  # (ds_id, gather dtype or None: its own) of a run
+    next: Run  # the following run of the same graph (empty: none), started when this one is waited for
+
+
+@dataclass
+class _Started:
+    work: object
+    send: Optional[Tensor]  # kept alive until the collective is done
+    recv: Optional[Tensor]
+    members: List[Parameter]
+    dtype: torch.dtype
+    issued: float  # time.perf_counter() when the collective was started
+
+
+class GatherRuns:
+    """``is_gathered((ds_id, dtype))`` says whether a gathered copy exists; ``add_gathered(param, dtype, flat)``
+    hands one over, unclaimed, to the runtime (its ``gather_param`` op claims it)."""
+
+    def __init__(self, params: Dict[int, Parameter], names: Dict[int, str], *, group, world_size: int,
+                 device: torch.device, shards_offloaded: bool, native_start: bool, prefetch_across_graphs: bool,
+                 comm: CommLog, is_gathered: Callable[[Tuple[int, torch.dtype]], bool],
+                 add_gathered: Callable[[Parameter, torch.dtype, Tensor], None], name: Callable[[Parameter], str]):
+        self.params, self._names = params, names
+        self._by_name: Dict[str, Parameter] = {name: params[ds_id] for ds_id, name in names.items()}
+        self.group, self.world_size, self.device = group, world_size, device
+        self.shards_offloaded = shards_offloaded  # ZeRO-3's offload_param: shards are copied to the device first
+        # coalesced gathers start through the native op's start form on CUDA, where it casts on the communication
+        # stream; on CPU the shards are concatenated and cast in one copy (the op takes one shard, so it would copy
+        # the run twice)
+        self.native_start = native_start
+        self.prefetch_across_graphs = prefetch_across_graphs
+        self.comm = comm
+        self._is_gathered, self._add_gathered, self._name = is_gathered, add_gathered, name
+        # the runs the graphs have started, by their ``plan`` text, in first-use order (decoded once)
+        self.plans: Dict[str, Plan] = {}
+        self._inflight: Dict[Run, List[_Started]] = {}  # a run -> its all-gathers started ahead
+        self._moved_plans: Dict[Tuple[str, int], Tuple[Run, Run]] = {}  # (plan, first parameter) -> its runs
+        self._runs_this_step: List[Run] = []  # every run, in the order this step gathered them
+        self._runs_last_step: List[Run] = []
+        self._on_last_step = True  # this step has gathered the same runs as the last one so far
+
+    def run(self, text: str, traced_ds_id: int, param: Parameter) -> None:
+        """This run's parameters gathered (waiting for the collective started ahead, or one coalesced collective
+        now), then the next run's collective started without waiting. Its receive buffer counts as live gathered
+        bytes from now on, as the static memory plan counts it (``schedule/memory_plan.in_flight_storages``).
+        ``param`` is the run's first parameter, ``traced_ds_id`` the one the graph was traced with."""
+        plan = self.plans.get(text)
+        if plan is None:
+            plan = self.plans[text] = Plan(*decode_plan(text))
+        members, following = plan.members, plan.next
+        if param.ds_id != traced_ds_id:  # a graph traced on another module of the same code
+            key = (text, param.ds_id)
+            if key not in self._moved_plans:
+                self._moved_plans[key] = (self._moved(members, traced_ds_id, param),
+                                          self._moved(following, traced_ds_id, param))
+            members, following = self._moved_plans[key]
+        inflight = self._inflight.pop(members, None)
+        self.comm.counters.runs_started_ahead += inflight is not None
+        if inflight is None:  # nothing started ahead: gather the run now (a lone parameter takes its op's own path)
+            inflight = [started for dtype, group in self._missing(members).items() if len(group) > 1
+                        for started in self._start_chunks(group, dtype)]
+        for started in inflight:  # chunk by chunk: each receive buffer is freed as soon as it is copied out
+            self._finish(started)
+        del inflight
+        if self.prefetch_across_graphs:  # every run is recorded; the last of a graph starts the next graph's first
+            next_as_last_step = self._next_as_last_step(members)
+            following = following or next_as_last_step
+        if following and following not in self._inflight:
+            self._inflight[following] = [started for dtype, group in self._missing(following).items()
+                                         for started in self._start_chunks(group, dtype)]
+
+    @property
+    def last_step(self) -> List[Run]:
+        """The runs the last training step gathered, in order (recorded with ``prefetch_across_graphs`` only)."""
+        return list(self._runs_last_step)
+
+    def end_of_step(self, learn: bool) -> None:
+        """This step's runs become the order the next step prefetches by (``learn``: a training step; an inference
+        forward only forgets them)."""
+        if learn:
+            self._runs_last_step = self._runs_this_step
+        self._runs_this_step = []
+        self._on_last_step = True
+
+    def finish_inflight(self) -> None:
+        """Every run started ahead, received and handed over (unclaimed: a run that was never used)."""
+        for inflight in self._inflight.values():
+            for started in inflight:
+                self._finish(started)
+        self._inflight.clear()
+
+    def _moved(self, run: Run, traced_ds_id: int, param: Parameter) -> Run:
+        """A plan's run, traced on the module that holds ``traced_ds_id``, for the module that holds ``param`` in its
+        place: each parameter named under the traced module's path is replaced by the one at the same place under
+        the other's (``layers.0.mlp.up.weight`` -> ``layers.3.mlp.up.weight`` when ``layers.0.attn.q.weight`` ran
+        as ``layers.3.attn.q.weight``); one outside it (a shared parameter) stays as it is."""
+        traced, actual = self._names[traced_ds_id].split("."), self._names[param.ds_id].split(".")
+        common = 0
+        while common < min(len(traced), len(actual)) and traced[-1 - common] == actual[-1 - common]:
+            common += 1
+        old, new = ".".join(traced[:len(traced) - common]), ".".join(actual[:len(actual) - common])
+        moved = []
+        for ds_id, dtype in run:
+            name = self._names[ds_id]
+            if old and name.startswith(old + "."):
+                name = f"{new}.{name[len(old) + 1:]}" if new else name[len(old) + 1:]
+            target = self._by_name.get(name)
+            if target is None:
+                raise AssertionError(f"deepspeed-compile: a gather plan traced on {old or 'the model'} has no "
+                                     f"counterpart of {self._name(self.params[ds_id])} under {new or 'the model'}")
+            moved.append((target.ds_id, dtype))
+        return tuple(moved)
+
+    def _next_as_last_step(self, run: Run) -> Run:
+        """The run after ``run`` in the last step, if this step has gathered the same runs so far (every rank runs the
+        same graphs in the same order, so every rank starts the same collective at the same point); else none."""
+        done, last = self._runs_this_step, self._runs_last_step
+        done.append(run)
+        i = len(done)
+        self._on_last_step = self._on_last_step and i <= len(last) and last[i - 1] == run
+        return last[i] if self._on_last_step and i < len(last) else ()
+
+    def _missing(self, run: Run) -> Dict[torch.dtype, List[Parameter]]:
+        """The run's parameters not gathered yet, by the dtype they are gathered in (one collective per dtype)."""
+        groups: Dict[torch.dtype, List[Parameter]] = {}
+        for ds_id, dtype in run:
+            param = self.params[ds_id]
+            dtype = dtype or param.ds_tensor.dtype
+            if not self._is_gathered((ds_id, dtype)):
+                groups.setdefault(dtype, []).append(param)
+        return groups
+
+    def _start_chunks(self, members: List[Parameter], dtype: torch.dtype) -> List[_Started]:
+        """A run's collectives, started: members in order, split into chunks of about ``GATHER_CHUNK_NUMEL``
+        gathered elements. Copying a run out of one receive buffer would hold the run twice; chunk by chunk it
+        holds the run and one chunk."""
+        chunks: List[List[Parameter]] = [[]]
+        numel = 0
+        for param in members:
+            width = param.ds_tensor.numel() * self.world_size
+            if chunks[-1] and numel + width > GATHER_CHUNK_NUMEL:
+                chunks.append([])
+                numel = 0
+            chunks[-1].append(param)
+            numel += width
+        return [self._start(chunk, dtype) for chunk in chunks]
+
+    def _start(self, members: List[Parameter], dtype: torch.dtype) -> _Started:
+        """One all-gather for several parameters, started: each rank sends its shards back to back, cast first (by the
+        native op's start form, or while concatenating them)."""
+        shards = [p.ds_tensor.reshape(-1) for p in members]
+        if self.shards_offloaded:  # one copy to the device for the run (concatenated where the shards are)
+            shards = [torch.cat(shards).to(self.device, non_blocking=True)]
+        if self.native_start:  # the op casts into a send buffer of its own: a single shard needs no copy first
+            send = shards[0] if len(shards) == 1 else torch.cat(shards)
+            work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.comm.timeout)
+            recv = work.flat.view(self.world_size, -1)
+        else:
+            send = torch.empty(sum(s.numel() for s in shards), dtype=dtype, device=shards[0].device)
+            torch.cat(shards, out=send)  # the cast, before sending, in the same copy
+            recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
+            work = dist.all_gather_into_tensor(recv.view(-1), send, group=self.group, async_op=True)
+        self.comm.counters.allgather_collectives += 1
+        self.comm.issued("all-gather", members, send.numel())
+        self.comm.add_live_bytes(recv.numel() * recv.element_size(), eager=False)
+        return _Started(work, send, recv, members, dtype, time.perf_counter())
+
+    def _finish(self, started: _Started) -> None:
+        """Wait for a started all-gather (the exposed part of its time is counted), then copy each parameter out
+        of the gathered rows into a buffer of its own, so each is released on its own. They wait, unclaimed, for
+        their own gather op."""
+        start = time.perf_counter()
+        self.comm.wait(started.work,
+                       lambda: "the all-gather of parameters " + ", ".join(self._name(p) for p in started.members))
+        self.comm.done("all-gather", start, started.issued)
+        offset = 0
+        for param in started.members:
+            width = param.ds_tensor.numel()
+            flat = started.recv[:, offset:offset + width].reshape(-1)  # rows -> one contiguous buffer (a copy)
+            offset += width
+            self._add_gathered(param, started.dtype, flat)
+        # the receive buffer is freed here (the copies above were live beside it)
+        self.comm.add_live_bytes(-started.recv.numel() * started.recv.element_size(), eager=False)
+        started.send = started.recv = None
