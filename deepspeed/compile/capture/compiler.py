@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import RestartAnalysis
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.fx import GraphModule
 
@@ -351,6 +352,10 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             # inductor's joint-graph passes, the forward, and the cache's key see them too
             with torch._inductor.config.patch(inductor_config):
                 compiled = _aot_compile(compiler, gm, example_inputs)
+        except RestartAnalysis:
+            # dynamo's own control flow, not a failure: AOTAutograd asks dynamo to trace the frame again (with
+            # dynamic shapes, a float scalar to be traced as a tensor); the next attempt compiles it
+            raise
         except BaseException as err:
             on_failure(err)
             raise

@@ -311,3 +311,55 @@ def test_two_deepcompile_engines_in_one_process():
         for seed, (losses_equal, params_equal, active, gathers, ran_uncompiled) in by_seed.items():
             assert active and losses_equal and params_equal, (seed, losses_equal, params_equal, active)
             assert gathers > 0 and not ran_uncompiled, (seed, gathers, ran_uncompiled)
+
+
+# ----- dynamic=True and a batch size that changes between steps ----------------------------------------------------
+BATCH_SIZES = [4, 6, 3, 5]
+
+
+def _dynamic_run(compile_section):
+    """The BatchNorm model on batches whose size changes every step (as the last batch of an epoch does), compiled
+    with ``compile_kwargs={"dynamic": True}``: dynamo traces symbolic shapes from the start."""
+    import torch.distributed as dist
+    from compare import buffers, full_grads, full_params
+    from models import ds_config, make_batch
+    from training import make_engine
+    torch._dynamo.reset()
+    engine = make_engine("buffers", ds_config(3, compile_section, optimizer="sgd"))
+    if compile_section:
+        engine.compile(backend="eager", compile_kwargs={"dynamic": True})
+    out = {"losses": [], "grads": [], "grad_norms": []}
+    for step, batch in enumerate(BATCH_SIZES):
+        loss = engine(*make_batch("buffers", step, dist.get_rank(), batch=batch))
+        engine.backward(loss)
+        out["grads"].append(full_grads(engine))
+        engine.step()
+        out["losses"].append(loss.item())
+        out["grad_norms"].append(float(engine.get_global_grad_norm()))
+    runtime = runtime_of(engine, active_only=False)
+    out.update(params=full_params(engine), buffers=buffers(engine), active=engine.is_deepcompile_active(),
+               gathers=runtime.counters.gathers if runtime else 0,
+               eager_gathers=runtime.counters.eager_gathers if runtime else 0)
+    engine.destroy()
+    return out
+
+
+def _dynamic_pair():
+    return _dynamic_run(None), _dynamic_run({"deepcompile": True})
+
+
+def test_dynamic_shapes_and_changing_batch_size_match_eager_zero3():
+    """With dynamic=True AOTAutograd asks dynamo to trace the frame again (``TensorifyScalarRestartAnalysis``: a float
+    scalar, BatchNorm's momentum, is to be traced as a tensor). The backend took that for a failed compile: it switched
+    the engine back to eager ZeRO-3 while dynamo retraced, and the retrace diverged (``SpeculationLogDivergence`` at
+    the first step). Now the restart is dynamo's, the graph compiles on the second attempt, and training is bitwise
+    eager ZeRO-3's."""
+    from compare import unequal
+    for eager, compiled in run_distributed(_dynamic_pair):
+        assert compiled["active"] and compiled["gathers"] > 0 and compiled["eager_gathers"] == 0, compiled
+        assert compiled["losses"] == eager["losses"], (compiled["losses"], eager["losses"])
+        assert compiled["grad_norms"] == eager["grad_norms"]
+        for i, (g, eg) in enumerate(zip(compiled["grads"], eager["grads"])):
+            assert not unequal(g, eg), f"step {i}: gradients differ for {unequal(g, eg)}"
+        for key in ("params", "buffers"):
+            assert not unequal(compiled[key], eager[key]), (key, unequal(compiled[key], eager[key]))
