@@ -22,7 +22,7 @@ process never see each other's.
 import contextvars
 import logging
 from contextlib import contextmanager
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -77,14 +77,15 @@ class EagerAccess:
         self._reported = set()  # dynamo's reasons already named in a warning
         self.outside = False  # the forward running now is a submodule called outside any forward (runtime/z3.py)
         self._warned_reuse = False
+        self._leaf_modules: Dict[int, List[Parameter]] = {}  # id(leaf module) -> its parameters, entered this step
+        self._leaf_grads: Dict[int, torch.Tensor] = {}  # ds_id -> a leaf parameter's gradient, held until backward ends
 
     # ----- the contract ZeROOrderedDict.__getitem__ calls ------------------------------------------------
     def record_gathered_param(self, param: Parameter) -> None:
         if param.ds_id in self.gathered or self.params.get(param.ds_id) is not param:
             return
-        self.gathered[param.ds_id] = param
-        self._on_use(param)
-        self._on_live_bytes(param.data.numel() * param.data.element_size())
+        self._record(param)
+        self._enter_leaf(param)
         if self.outside:
             return  # a submodule called outside the forward runs uncompiled by design, as in eager ZeRO-3
         reasons = [r for r in _dynamo_reasons() if r not in self._reported]
@@ -94,6 +95,62 @@ class EagerAccess:
             log.warning("deepspeed-compile: parameter %s is read by code outside the compiled graphs (dynamo ran it "
                         "eagerly; dynamo's reason: %s). It is gathered on access and released after backward: "
                         "training stays correct, but this part of the model is not compiled.", self.name(param), why)
+
+    def _record(self, param: Parameter) -> None:
+        self.gathered[param.ds_id] = param
+        self._on_use(param)
+        self._on_live_bytes(param.data.numel() * param.data.element_size())
+
+    # ----- ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules; MoE blocks) --------------------------
+    # Eager ZeRO-3 gathers all of a leaf module's parameters when it is entered and reduces all of their gradients
+    # (zeros for those that got none) when its backward is done, so that ranks routing tokens to different experts
+    # still issue the same collectives. Code run eagerly here reads the parameters one by one instead: the first read
+    # of a leaf module's parameter gathers the rest of the module's in one collective, and their gradients are held
+    # and reduced together, in ds_id order, at the end of backward (zeros where none came). Graphs compiled for code
+    # inside the module (an expert's own frame) read those parameters with no collective (``Z3Runtime.gather``). The
+    # first read must be the same on every rank (a router, read before any routing): a leaf module whose first
+    # parameter is read by a compiled graph, and later ones eagerly, is not covered.
+    def _enter_leaf(self, param: Parameter) -> None:
+        module = getattr(param, "ds_z3_leaf_module", None)
+        if module is None or id(module) in self._leaf_modules:
+            return
+        params = sorted((p for p in module.parameters() if self.params.get(getattr(p, "ds_id", None)) is p),
+                        key=lambda p: p.ds_id)
+        self._leaf_modules[id(module)] = params
+        missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if missing:
+            missing[0].all_gather(param_list=missing)
+        for p in missing:
+            self._record(p)
+
+    def holds(self, param: Parameter) -> bool:
+        """``param`` is gathered for eager code now: a graph may read it as it is, with no collective."""
+        return param.ds_id in self.gathered and param.ds_status == ZeroParamStatus.AVAILABLE
+
+    def hold_leaf_grad(self, param: Parameter, grad: torch.Tensor) -> bool:
+        """Keep a gradient of an entered leaf module's parameter (from eager code or a compiled graph run inside the
+        module) for :meth:`reduce_leaf_grads`; False for any other parameter."""
+        module = getattr(param, "ds_z3_leaf_module", None)
+        if module is None or id(module) not in self._leaf_modules:
+            return False
+        held = self._leaf_grads.get(param.ds_id)
+        self._leaf_grads[param.ds_id] = grad.detach().clone() if held is None else held + grad
+        return True
+
+    def reduce_leaf_grads(self, bucket: Callable[[int, torch.Tensor], None]) -> None:
+        """Hand every entered leaf module's gradients to ``bucket``, in ds_id order on every rank (a zero gradient for
+        a parameter whose expert got no tokens on this rank). Called at the end of backward, before the final flush."""
+        modules = sorted(self._leaf_modules.values(), key=lambda params: params[0].ds_id if params else -1)
+        self._leaf_modules.clear()
+        for params in modules:
+            for param in params:
+                if not param.requires_grad:
+                    continue
+                grad = self._leaf_grads.pop(param.ds_id, None)
+                if grad is None:
+                    grad = torch.zeros(param.ds_shape, dtype=param.dtype, device=param.data.device)  # still gathered
+                bucket(param.ds_id, grad)
+        self._leaf_grads.clear()
 
     def gather(self, param) -> None:
         """Gather ``param`` (a ZeRO-3 parameter holding its stand-in) for code run outside the compiled graphs."""
@@ -136,6 +193,8 @@ class EagerAccess:
 
     def release(self) -> None:
         """Partition every parameter gathered for eager code (the step's backward is over, or never comes)."""
+        self._leaf_modules.clear()
+        self._leaf_grads.clear()
         if not self.gathered:
             return
         params = list(self.gathered.values())
@@ -175,4 +234,5 @@ class EagerAccess:
                 "being gathered (the code held the Parameter object instead of reading it through its module, "
                 "e.g. module.weight); it computed with the parameter's stand-in, not its values. Read the "
                 "parameter through its module, or keep that code inside the compiled model.")
-        self._reduce(param.ds_id, grad)
+        if not self.hold_leaf_grad(param, grad):
+            self._reduce(param.ds_id, grad)

@@ -35,6 +35,7 @@ class _Gathered:
     tensor: Tensor
     refs: int
     nbytes: int
+    borrowed: bool = False  # the parameter's own data, gathered for eager code: never freed by a release
 
 
 class Z3Runtime:
@@ -79,7 +80,7 @@ class Z3Runtime:
         self._gathered_step = engine.global_steps  # the optimizer step the gathered copies hold the weights of
         self._forgotten_at: set = set()  # data_ptrs of copies forgotten by _forget_held (their release: a no-op)
         self._warned_forgotten = False
-        self._by_standin: Dict[int, Parameter] = {}  # a stand-in's storage address -> its parameter (param_of)
+        self._by_standin: Dict[Tuple[int, int], Parameter] = {}  # a stand-in's addresses -> its parameter (param_of)
         self._backward_pending = False
         self._forward_running = False
         names = {p.ds_id: name for name, p in engine.module.named_parameters() if hasattr(p, "ds_id")}
@@ -94,7 +95,7 @@ class Z3Runtime:
                                shards_offloaded=self.shards_offloaded,
                                native_start=native is not None and self.device.type == "cuda",
                                prefetch_across_graphs=prefetch_across_graphs, comm=self.comm,
-                               is_gathered=self._gathered.__contains__,
+                               is_gathered=self._has_copy,
                                add_gathered=lambda param, dtype, flat: self._add_gathered(param, dtype, flat, refs=0),
                                name=self.eager.name)
         self.eager.install_grad_hooks()
@@ -135,10 +136,13 @@ class Z3Runtime:
         """The sharded parameter a graph input stands in for (the ops find their parameter this way, so a graph
         serves any module of the same code): its stand-in's storage, which the parameter's ``.data`` views while
         the graphs run (``standins.install``), whatever wrapper of it the graph was handed."""
-        address = standin.untyped_storage().data_ptr()
+        # the storage and the data pointer: a parameter gathered for eager code may share one storage with others
+        # (ZeRO-3 gathers a leaf module's parameters into one buffer), a stand-in never does
+        address = (standin.untyped_storage().data_ptr(), standin.data_ptr())
         param = self._by_standin.get(address)
-        if param is None or param.data.untyped_storage().data_ptr() != address:
-            self._by_standin = {p.data.untyped_storage().data_ptr(): p for p in self.sharded.values()}
+        if param is None or (param.data.untyped_storage().data_ptr(), param.data.data_ptr()) != address:
+            self._by_standin = {(p.data.untyped_storage().data_ptr(), p.data.data_ptr()): p
+                                for p in self.sharded.values()}
             param = self._by_standin.get(address)
             if param is None:
                 raise AssertionError("deepspeed-compile: a graph op was given a tensor that is not the stand-in of "
@@ -152,6 +156,11 @@ class Z3Runtime:
         param = self.param_of(standin)
         if self._forward_running:
             self.reducer.note_source(param)
+        if self.eager.holds(param):
+            # gathered for eager code in this step (a ZeRO-3 leaf module's parameters all are, when it is entered):
+            # read as it is. The graphs inside a leaf module may differ across ranks (experts that got no tokens are
+            # not called), so they must issue no collective of their own.
+            return self._borrow(param, dtype)
         if plan:
             self.runs.run(plan, traced_ds_id, param)
         shard = param.ds_tensor
@@ -172,6 +181,24 @@ class Z3Runtime:
         self.counters.allgather_collectives += 1
         return self._add_gathered(param, dtype, flat, refs=1)
 
+    def _borrow(self, param: Parameter, dtype: Optional[torch.dtype]) -> Tensor:
+        """A graph's gather of a parameter held gathered by eager code: its data, shared (its release keeps the
+        storage), or cast to ``dtype`` (a copy the release frees)."""
+        borrowed = dtype is None or dtype == param.dtype
+        key = (param.ds_id, param.dtype if borrowed else dtype)
+        entry = self._gathered.get(key)
+        if entry is not None:
+            entry.refs += 1
+            return entry.tensor
+        full = param.data if borrowed else param.data.to(dtype)
+        self._gathered[key] = _Gathered(full, 1, 0, borrowed=borrowed)
+        self._gathered_at[full.data_ptr()] = key
+        return full
+
+    def _has_copy(self, key: Tuple[int, torch.dtype]) -> bool:
+        """A run need not gather this (ds_id, dtype): a gathered copy exists, or eager code holds it gathered."""
+        return key in self._gathered or self.eager.holds(self.params[key[0]])
+
     def _add_gathered(self, param: Parameter, dtype: torch.dtype, flat: Tensor, refs: int) -> Tensor:
         full = flat.narrow(0, 0, param.ds_numel).view(param.ds_shape)
         nbytes = flat.numel() * flat.element_size()
@@ -191,7 +218,7 @@ class Z3Runtime:
         for key in [k for k, e in self._gathered.items() if e.refs == 0]:
             entry = self._gathered.pop(key)
             self._gathered_at.pop(entry.tensor.data_ptr(), None)
-            if self.free_on_release:
+            if self.free_on_release and not entry.borrowed:
                 entry.tensor.untyped_storage().resize_(0)
             self.comm.add_live_bytes(-entry.nbytes, eager=False)
 
@@ -236,7 +263,7 @@ class Z3Runtime:
         entry.refs -= 1
         if entry.refs == 0:
             del self._gathered_at[address]
-            if self.free_on_release:
+            if self.free_on_release and not entry.borrowed:
                 entry.tensor.untyped_storage().resize_(0)
             del self._gathered[key]
             self.comm.add_live_bytes(-entry.nbytes, eager=False)
@@ -246,7 +273,10 @@ class Z3Runtime:
         """The ``reduce_grad`` op: the gradient of the parameter ``standin`` stands in for. Without one, of parameter
         ``ds_id``: a graph that hands a parameter back as it is gets its gradient as a backward input, with no
         stand-in to name it (such graphs are bound to their traced parameters, ``compiler.make_backend``)."""
-        self.reducer.reduce(ds_id if standin is None else self.param_of(standin).ds_id, grad)
+        param = self.params[ds_id] if standin is None else self.param_of(standin)
+        # a ZeRO-3 leaf module's parameter is held to the end of backward (EagerAccess.reduce_leaf_grads)
+        if not self.eager.hold_leaf_grad(param, grad):
+            self.reducer.reduce(param.ds_id, grad)
 
     # ----- engine hooks ----------------------------------------------------------------------------------
     def detach(self) -> None:
@@ -367,6 +397,7 @@ class Z3Runtime:
     def backward_epilogue(self) -> None:
         if not self._backward_pending:
             return
+        self.eager.reduce_leaf_grads(self.reducer.bucket_grad)
         self.reducer.end_of_backward()
         self.runs.end_of_step(learn=True)
         self._drop_unclaimed()

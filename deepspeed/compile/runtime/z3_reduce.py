@@ -78,22 +78,23 @@ class GradientReducer:
             if remaining > 1:
                 return  # more gradients of this parameter are coming in this backward
             grad = self._held_grads.pop(ds_id)
-        self._bucket_grad(ds_id, grad)
+        self.bucket_grad(ds_id, grad)
 
     def end_of_backward(self) -> None:
         """Everything this backward reduced, in the optimizer's partitions: held gradients whose other uses gave
         none (no gradient flowed there) reduced as they are, every bucket flushed and every reduce-scatter done."""
         for ds_id in sorted(self._held_grads):
-            self._bucket_grad(ds_id, self._held_grads.pop(ds_id))
+            self.bucket_grad(ds_id, self._held_grads.pop(ds_id))
         self._grad_sources.clear()
         for dtype in sorted(self._buckets, key=str):
             self._flush(dtype)
         self._finish_reduces()
         self._reduced.clear()
 
-    def _bucket_grad(self, ds_id: int, grad: Tensor) -> None:
-        """Copy the gradient into the bucket now (a compiled graph may reuse its buffer right after this op);
-        reduce-scatter the bucket when the next gradient would not fit."""
+    def bucket_grad(self, ds_id: int, grad: Tensor) -> None:
+        """Copy the gradient into the bucket now, whatever other uses of the parameter are still to come (a compiled
+        graph may reuse its buffer right after this op); reduce-scatter the bucket when the next gradient would not
+        fit."""
         param = self.params[ds_id]
         # the parameter's communication dtype, as eager ZeRO-3 chooses it: under torch_autocast the gradients of
         # lower-precision-safe modules travel in the autocast dtype (half the bytes), the others in their own

@@ -120,7 +120,44 @@ class WithBuffers(nn.Module):
         return F.mse_loss(self.dec(torch.tanh(self.mid(h))), y)
 
 
-MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP, "buffers": WithBuffers}
+class MoEBlock(nn.Module):
+    """Top-1 routing over a ``ModuleList`` of experts, each called only on the rows routed to it (as DeepSeek's and
+    older `transformers` MoE blocks do): an expert that gets no rows on a rank is not called there. Data-dependent
+    shapes (``nonzero``) in a loop: dynamo runs this frame eagerly and compiles each expert's own frame."""
+
+    def __init__(self, dim: int = 16, experts: int = 4):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.gate(x), dim=-1)
+        choice = weights.argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = torch.nonzero(choice == i).squeeze(-1)
+            if rows.numel() == 0:
+                continue
+            out.index_add_(0, rows, expert(x[rows]) * weights[rows, i:i + 1])
+        return out
+
+
+class RoutedMoE(nn.Module):
+    """An MoE block between two dense layers; ``deepspeed.utils.set_z3_leaf_modules(model, [MoEBlock])`` makes the
+    block a ZeRO-3 leaf module, as DeepSpeed does by default for Mixtral's and Qwen-MoE's blocks."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.moe = MoEBlock(dim)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.head(self.moe(self.inp(x))), y)
+
+
+MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP, "buffers": WithBuffers,
+          "moe": RoutedMoE}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
@@ -131,7 +168,7 @@ def make_model(name: str, seed: int = 0) -> nn.Module:
 def make_batch(name: str, step: int, rank: int, batch: int = 4):
     """A deterministic batch per (step, rank) whose targets are a fixed function of its inputs."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name in ("mlp", "branchy"):
+    if name in ("mlp", "branchy", "moe"):
         x = torch.randn(batch, 16, generator=g)
         return x, 0.5 * torch.roll(x, 1, dims=-1)
     if name == "gpt":
