@@ -35,7 +35,6 @@ class _Gathered:
     tensor: Tensor
     refs: int
     nbytes: int
-    borrowed: bool = False  # the parameter's own data, gathered for eager code: never freed by a release
 
 
 class Z3Runtime:
@@ -182,17 +181,21 @@ class Z3Runtime:
         return self._add_gathered(param, dtype, flat, refs=1)
 
     def _borrow(self, param: Parameter, dtype: Optional[torch.dtype]) -> Tensor:
-        """A graph's gather of a parameter held gathered by eager code: its data, shared (its release keeps the
-        storage), or cast to ``dtype`` (a copy the release frees)."""
-        borrowed = dtype is None or dtype == param.dtype
-        key = (param.ds_id, param.dtype if borrowed else dtype)
+        """A graph's gather of a parameter held gathered by eager code: a copy of its data (in ``dtype``), made
+        without a collective and freed by its release as a gathered copy is. Not the data itself: an op's output
+        may not alias its input, and the parameter is that input."""
+        dtype = dtype or param.dtype
+        key = (param.ds_id, dtype)
         entry = self._gathered.get(key)
         if entry is not None:
             entry.refs += 1
             return entry.tensor
-        full = param.data if borrowed else param.data.to(dtype)
-        self._gathered[key] = _Gathered(full, 1, 0, borrowed=borrowed)
+        full = param.data.to(dtype, copy=True)
+        nbytes = full.numel() * full.element_size()
+        self._gathered[key] = _Gathered(full, 1, nbytes)
         self._gathered_at[full.data_ptr()] = key
+        self._forgotten_at.discard(full.data_ptr())
+        self.comm.add_live_bytes(nbytes, eager=False)
         return full
 
     def _has_copy(self, key: Tuple[int, torch.dtype]) -> bool:
@@ -218,7 +221,7 @@ class Z3Runtime:
         for key in [k for k, e in self._gathered.items() if e.refs == 0]:
             entry = self._gathered.pop(key)
             self._gathered_at.pop(entry.tensor.data_ptr(), None)
-            if self.free_on_release and not entry.borrowed:
+            if self.free_on_release:
                 entry.tensor.untyped_storage().resize_(0)
             self.comm.add_live_bytes(-entry.nbytes, eager=False)
 
@@ -263,7 +266,7 @@ class Z3Runtime:
         entry.refs -= 1
         if entry.refs == 0:
             del self._gathered_at[address]
-            if self.free_on_release and not entry.borrowed:
+            if self.free_on_release:
                 entry.tensor.untyped_storage().resize_(0)
             del self._gathered[key]
             self.comm.add_live_bytes(-entry.nbytes, eager=False)
