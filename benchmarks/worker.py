@@ -61,9 +61,9 @@ def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optiona
     ``defaults``: the ZeRO section says only the stage, as most users' configs do (DeepSpeed's 5e8-element
     buckets, parameters under 1e5 elements persistent). ``offload``: the defaults with ZeRO-3's parameter shards and
     optimizer on the CPU (``offload_param`` and ``offload_optimizer``, as Hugging Face's "zero3 offload" config).
-    ``hf-auto``: Hugging Face's ZeRO-3 example config with its "auto" values filled in as its Trainer fills them from
-    the model's ``hidden`` size (buckets of about one hidden x hidden weight, parameters under 10 x hidden elements
-    persistent, reuse distance and live parameters 1e9, ``overlap_comm``)."""
+    ``hf-auto``: Hugging Face's ZeRO-2 / ZeRO-3 example configs with their "auto" values filled in as its Trainer
+    fills them from the model's ``hidden`` size (buckets of about one hidden x hidden weight, parameters under
+    10 x hidden elements persistent, reuse distance and live parameters 1e9, ``overlap_comm``), offload left off."""
     bucket = int(max(model_numel // 4, 1 << 16))
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
@@ -90,7 +90,10 @@ def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optiona
             raise ValueError("--zero-settings hf-auto: the model's hidden size is needed for its auto values")
         config["zero_optimization"] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
                                        "reduce_bucket_size": hidden * hidden}
-        if stage == 3:
+        if stage != 3:  # its ZeRO-2 example config
+            config["zero_optimization"].update({"allgather_partitions": True, "allgather_bucket_size": int(2e8),
+                                                "reduce_scatter": True})
+        else:
             config["zero_optimization"].update({
                 "sub_group_size": int(1e9), "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
                 "stage3_param_persistence_threshold": 10 * hidden, "stage3_max_live_parameters": int(1e9),
