@@ -327,8 +327,8 @@ def add_setting_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-settings", choices=("tuned", "defaults", "offload", "hf-auto"), default="tuned",
                    help="ZeRO knobs of the DeepSpeed rows: sized to the model (tuned), DeepSpeed's defaults (only "
                         "the stage set), the defaults with parameters and optimizer offloaded to the CPU (offload), or "
-                        "Hugging Face's ZeRO-3 example config with its \"auto\" values filled from the hidden size "
-                        "(hf-auto)")
+                        "Hugging Face's ZeRO-2 or ZeRO-3 example config with its \"auto\" values filled from the "
+                        "hidden size (hf-auto)")
     p.add_argument("--fsdp2-autocast", choices=("policy", "torch"), default="policy",
                    help="FSDP2 rows under autocast: FSDP2's mixed-precision policy (bf16 parameters and compute, the "
                         "default) or torch.autocast over fp32 parameters, the numerics of DeepSpeed's torch_autocast")
