@@ -155,12 +155,11 @@ class Z3Runtime:
         param = self.param_of(standin)
         if self._forward_running:
             self.reducer.note_source(param)
-        if self.eager.holds(param):
-            # gathered for eager code in this step (a ZeRO-3 leaf module's parameters all are, when it is entered):
-            # read as it is. The graphs inside a leaf module may differ across ranks (experts that got no tokens are
-            # not called), so they must issue no collective of their own.
-            return self._borrow(param, dtype)
-        if plan:
+        # held gathered for eager code in this step (a ZeRO-3 leaf module's parameters all are, when it is entered):
+        # copied, with no collective. The graphs inside a leaf module may differ across ranks (experts that got no
+        # tokens are not called), so they must issue none of their own.
+        held = self.eager.holds(param)
+        if plan and not held:
             self.runs.run(plan, traced_ds_id, param)
         shard = param.ds_tensor
         dtype = dtype or shard.dtype
@@ -169,6 +168,8 @@ class Z3Runtime:
         if entry is not None:
             entry.refs += 1
             return entry.tensor
+        if held:
+            return self._copy_held(param, key)
         start = time.perf_counter()
         if self.shards_offloaded:
             shard = shard.to(self.device, non_blocking=True)
@@ -180,17 +181,10 @@ class Z3Runtime:
         self.counters.allgather_collectives += 1
         return self._add_gathered(param, dtype, flat, refs=1)
 
-    def _borrow(self, param: Parameter, dtype: Optional[torch.dtype]) -> Tensor:
-        """A graph's gather of a parameter held gathered by eager code: a copy of its data (in ``dtype``), made
-        without a collective and freed by its release as a gathered copy is. Not the data itself: an op's output
-        may not alias its input, and the parameter is that input."""
-        dtype = dtype or param.dtype
-        key = (param.ds_id, dtype)
-        entry = self._gathered.get(key)
-        if entry is not None:
-            entry.refs += 1
-            return entry.tensor
-        full = param.data.to(dtype, copy=True)
+    def _copy_held(self, param: Parameter, key: Tuple[int, torch.dtype]) -> Tensor:
+        """A copy of a parameter eager code holds gathered, in the gather's dtype, freed by its release as a gathered
+        copy is. Not the data itself: an op's output may not alias its input, and the parameter is that input."""
+        full = param.data.to(key[1], copy=True)
         nbytes = full.numel() * full.element_size()
         self._gathered[key] = _Gathered(full, 1, nbytes)
         self._gathered_at[full.data_ptr()] = key

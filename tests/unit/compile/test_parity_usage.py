@@ -313,6 +313,20 @@ def test_two_deepcompile_engines_in_one_process():
             assert gathers > 0 and not ran_uncompiled, (seed, gathers, ran_uncompiled)
 
 
+def _record_steps(engine, steps, batch_of_step):
+    """``steps`` training steps on ``batch_of_step(step)``, with each step's loss, full gradients and gradient norm."""
+    from compare import full_grads
+    out = {"losses": [], "grads": [], "grad_norms": []}
+    for step in range(steps):
+        loss = engine(*batch_of_step(step))
+        engine.backward(loss)
+        out["grads"].append(full_grads(engine))
+        engine.step()
+        out["losses"].append(loss.item())
+        out["grad_norms"].append(float(engine.get_global_grad_norm()))
+    return out
+
+
 # ----- dynamic=True and a batch size that changes between steps ----------------------------------------------------
 BATCH_SIZES = [4, 6, 3, 5]
 
@@ -321,21 +335,15 @@ def _dynamic_run(compile_section):
     """The BatchNorm model on batches whose size changes every step (as the last batch of an epoch does), compiled
     with ``compile_kwargs={"dynamic": True}``: dynamo traces symbolic shapes from the start."""
     import torch.distributed as dist
-    from compare import buffers, full_grads, full_params
+    from compare import buffers, full_params
     from models import ds_config, make_batch
     from training import make_engine
     torch._dynamo.reset()
     engine = make_engine("buffers", ds_config(3, compile_section, optimizer="sgd"))
     if compile_section:
         engine.compile(backend="eager", compile_kwargs={"dynamic": True})
-    out = {"losses": [], "grads": [], "grad_norms": []}
-    for step, batch in enumerate(BATCH_SIZES):
-        loss = engine(*make_batch("buffers", step, dist.get_rank(), batch=batch))
-        engine.backward(loss)
-        out["grads"].append(full_grads(engine))
-        engine.step()
-        out["losses"].append(loss.item())
-        out["grad_norms"].append(float(engine.get_global_grad_norm()))
+    out = _record_steps(engine, len(BATCH_SIZES),
+                        lambda step: make_batch("buffers", step, dist.get_rank(), batch=BATCH_SIZES[step]))
     runtime = runtime_of(engine, active_only=False)
     out.update(params=full_params(engine), buffers=buffers(engine), active=engine.is_deepcompile_active(),
                gathers=runtime.counters.gathers if runtime else 0,
@@ -375,7 +383,7 @@ def _moe_run(compile_section):
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import set_z3_leaf_modules
-    from compare import full_grads, full_params
+    from compare import full_params
     from models import MoEBlock, ds_config, make_batch, make_model
     deepspeed.init_distributed(dist_backend="gloo")
     torch._dynamo.reset()
@@ -389,14 +397,8 @@ def _moe_run(compile_section):
     if not compile_section:  # under DeepCompile a hook's .tolist() would break the block's frame elsewhere
         engine.module.moe.gate.register_forward_hook(
             lambda module, args, out: routes.append(sorted(set(out.argmax(-1).tolist()))))
-    out = {"losses": [], "grads": [], "grad_norms": [], "routes": routes}
-    for step in range(MOE_STEPS):
-        loss = engine(*make_batch("moe", step, dist.get_rank(), batch=3))
-        engine.backward(loss)
-        out["grads"].append(full_grads(engine))
-        engine.step()
-        out["losses"].append(loss.item())
-        out["grad_norms"].append(float(engine.get_global_grad_norm()))
+    out = _record_steps(engine, MOE_STEPS, lambda step: make_batch("moe", step, dist.get_rank(), batch=3))
+    out["routes"] = routes
     runtime = runtime_of(engine, active_only=False)
     out.update(params=full_params(engine), active=engine.is_deepcompile_active(),
                gathers=runtime.counters.gathers if runtime else 0)
