@@ -37,10 +37,17 @@ def source_hash() -> str:
     return get_hash_for_files(files, extra=torch.__version__).hex()
 
 
-def input_signature(example_inputs: Sequence[Any]) -> str:
-    """Shapes, strides, dtypes and grad flags of a dynamo graph's inputs (symbolic sizes by name)."""
+def input_signature(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """Shapes, strides, dtypes and grad flags of a dynamo graph's inputs as dynamo traced them: a dynamic size by its
+    symbol. The example inputs are the real tensors of the call that compiled the graph; a dynamic graph keyed on
+    their sizes got another record on every rank, and in every process, whose first call had another length, while
+    torch's key (symbolic too) served the graph to them all: loaded without its record."""
+    traced = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+    if len(traced) != len(example_inputs):
+        traced = [None] * len(example_inputs)
     parts = []
-    for value in example_inputs:
+    for fake, real in zip(traced, example_inputs):
+        value = fake if isinstance(fake, (torch.Tensor, torch.SymInt)) else real
         if isinstance(value, torch.Tensor):
             parts.append(f"{tuple(value.shape)}/{tuple(value.stride())}/{value.dtype}/{value.requires_grad}")
         else:
@@ -100,7 +107,7 @@ def record_key(key: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     """The record of one dynamo graph: its code (our gathers inserted), its inputs, the calling context torch's key
     also covers, and the compile key. (torch's key also covers its own configs: a process that changes them loads
     a graph compiled under them with the record of the same graph compiled under others; both come from this code.)"""
-    text = f"{key}|{gm.code}|{input_signature(example_inputs)}|{runtime_state()}"
+    text = f"{key}|{gm.code}|{input_signature(gm, example_inputs)}|{runtime_state()}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 

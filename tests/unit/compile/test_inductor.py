@@ -197,6 +197,40 @@ def test_compile_record_is_keyed_on_the_calling_context():
     assert cache.record_key("k", gm, inputs) == keys["plain"]  # and the same context gives the same record
 
 
+def _dynamo_graphs(lengths):
+    """The dynamo graphs (with their example inputs) of one function called at ``lengths`` in turn: a static graph for
+    the first length, then one dynamic graph serving the others."""
+    caught = []
+
+    def backend(gm, example_inputs):
+        caught.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    weight = torch.nn.Parameter(torch.ones(4, 4))
+    f = torch.compile(lambda x, w: (x @ w).sum(-1), backend=backend)
+    for n in lengths:
+        f(torch.ones(2, n, 4), weight)
+    torch._dynamo.reset()
+    return caught
+
+
+def test_compile_record_of_a_dynamic_graph_is_keyed_on_its_symbolic_shapes():
+    """A dynamic graph serves every length, and torch's AOTAutograd key says so; its record was keyed on the sizes of
+    the call that compiled it. Two ranks whose first lengths differ (each rank pads its own batches) then wrote two
+    records, and the rank that loaded the graph torch cached for the other found none: "loaded from torch's
+    AOTAutograd cache without its compile record", its engine_report short of that graph (measured with Hugging
+    Face's Trainer, inductor, 2 ranks: 2 graphs compiled on one rank, 3 on the other). Also in a warm process whose
+    first length is not the cold one's."""
+    from deepspeed.compile.capture import cache
+    (static_8, _), (dynamic_9, inputs_9) = _dynamo_graphs([8, 9])
+    (static_10, _), (dynamic_11, inputs_11) = _dynamo_graphs([10, 11])
+    assert [t.shape[1] for t in (inputs_9[1], inputs_11[1])] == [9, 11]  # the compiling calls' own lengths
+    assert cache.record_key("k", dynamic_9, inputs_9) == cache.record_key("k", dynamic_11, inputs_11)
+    assert cache.input_signature(static_8, [torch.ones(2, 8, 4)]) != cache.input_signature(static_10,
+                                                                                           [torch.ones(2, 10, 4)])
+
+
 def test_compile_kwargs_mode_and_options_resolve_as_torch_compile_resolves_them(caplog):
     """What engine.compile(compile_kwargs=...) gives inductor: torch.compile's own resolution of mode and options; a
     bad value is refused at engine.compile(), naming the argument; with the eager backend a warning, nothing else."""
