@@ -25,7 +25,7 @@ from . import registry, standins
 from .comm import CommLog, Counters
 from .eager_access import EagerAccess
 from .z3_reduce import GradientReducer
-from .z3_runs import GatherRuns
+from .z3_runs import GatherRuns, shard_state
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class _Gathered:
     tensor: Tensor
     refs: int
     nbytes: int
+    shard: Tuple[int, int]  # the parameter's shard_state it was gathered from
 
 
 class Z3Runtime:
@@ -95,7 +96,8 @@ class Z3Runtime:
                                native_start=native is not None and self.device.type == "cuda",
                                prefetch_across_graphs=prefetch_across_graphs, comm=self.comm,
                                is_gathered=self._has_copy,
-                               add_gathered=lambda param, dtype, flat: self._add_gathered(param, dtype, flat, refs=0),
+                               add_gathered=lambda param, dtype, flat, shard: self._add_gathered(param, dtype, flat,
+                                                                                                 0, shard),
                                name=self.eager.name)
         self.eager.install_grad_hooks()
         # the parameter dicts ZeRO-3 gathers from on access while marked in forward (see eager_access.py)
@@ -171,6 +173,7 @@ class Z3Runtime:
         if held:
             return self._copy_held(param, key)
         start = time.perf_counter()
+        gathered_from = shard_state(param)
         if self.shards_offloaded:
             shard = shard.to(self.device, non_blocking=True)
         self.comm.issued("all-gather", (param,), shard.numel())
@@ -179,14 +182,14 @@ class Z3Runtime:
             flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.comm.timeout)
         self.comm.done("all-gather", start)
         self.counters.allgather_collectives += 1
-        return self._add_gathered(param, dtype, flat, refs=1)
+        return self._add_gathered(param, dtype, flat, 1, gathered_from)
 
     def _copy_held(self, param: Parameter, key: Tuple[int, torch.dtype]) -> Tensor:
         """A copy of a parameter eager code holds gathered, in the gather's dtype, freed by its release as a gathered
         copy is. Not the data itself: an op's output may not alias its input, and the parameter is that input."""
         full = param.data.to(key[1], copy=True)
         nbytes = full.numel() * full.element_size()
-        self._gathered[key] = _Gathered(full, 1, nbytes)
+        self._gathered[key] = _Gathered(full, 1, nbytes, shard_state(param))
         self._gathered_at[full.data_ptr()] = key
         self._forgotten_at.discard(full.data_ptr())
         self.comm.add_live_bytes(nbytes, eager=False)
@@ -196,10 +199,11 @@ class Z3Runtime:
         """A run need not gather this (ds_id, dtype): a gathered copy exists, or eager code holds it gathered."""
         return key in self._gathered or self.eager.holds(self.params[key[0]])
 
-    def _add_gathered(self, param: Parameter, dtype: torch.dtype, flat: Tensor, refs: int) -> Tensor:
+    def _add_gathered(self, param: Parameter, dtype: torch.dtype, flat: Tensor, refs: int,
+                      shard: Tuple[int, int]) -> Tensor:
         full = flat.narrow(0, 0, param.ds_numel).view(param.ds_shape)
         nbytes = flat.numel() * flat.element_size()
-        self._gathered[(param.ds_id, dtype)] = _Gathered(full, refs, nbytes)
+        self._gathered[(param.ds_id, dtype)] = _Gathered(full, refs, nbytes, shard)
         self._gathered_at[full.data_ptr()] = (param.ds_id, dtype)
         self._forgotten_at.discard(full.data_ptr())  # the address of a forgotten copy, freed since and reused
         c = self.counters
@@ -213,19 +217,39 @@ class Z3Runtime:
         """Free prefetched parameters whose gather never ran (none should be left: a safety net)."""
         self.runs.finish_inflight()
         for key in [k for k, e in self._gathered.items() if e.refs == 0]:
-            entry = self._gathered.pop(key)
-            self._gathered_at.pop(entry.tensor.data_ptr(), None)
+            self._forget(key)
+
+    def _forget(self, key: Tuple[int, torch.dtype]) -> int:
+        """The runtime lets go of a gathered copy and returns its bytes: an unclaimed one is freed; one a graph still
+        references (kept for a backward) is left to that graph, whose release of it is then a no-op."""
+        entry = self._gathered.pop(key)
+        address = entry.tensor.data_ptr()
+        self._gathered_at.pop(address, None)
+        if entry.refs == 0:
             if self.free_on_release:
                 entry.tensor.untyped_storage().resize_(0)
-            self.comm.add_live_bytes(-entry.nbytes, eager=False)
+        else:
+            self._forgotten_at.add(address)
+        self.comm.add_live_bytes(-entry.nbytes, eager=False)
+        return entry.nbytes
 
     def _forget_stale(self) -> None:
-        """Before each forward: gathered copies made before the last optimizer step hold the old weights, and the
-        next gather must not share them (:meth:`_forget_held`), nor take a run prefetched before the step."""
+        """Before each forward: gathered copies that no longer hold their parameter's weights must not be shared by the
+        next gather (:meth:`_forget_held`), nor a run prefetched before they changed be taken. After an optimizer step
+        that is every copy. Between steps, a forward whose backward has not run (an evaluation that forgot
+        ``no_grad``) keeps copies for that backward, and user code may have written a parameter since
+        (``GatheredParameters`` with a ``modifier_rank``, ``load_state_dict`` inside it): the copies of the
+        parameters whose shard changed are forgotten."""
         if self.engine.global_steps != self._gathered_step:
             self._gathered_step = self.engine.global_steps
             self._drop_unclaimed()
             self._forget_held()
+            return
+        if not self._gathered and not self.runs.has_inflight:
+            return  # the common case: the last backward left nothing
+        self.runs.finish_inflight()  # into the unclaimed copies, each with the shard it was gathered from
+        for key in [k for k, e in self._gathered.items() if e.shard != shard_state(self.params[k[0]])]:
+            self._forget(key)
 
     def _forget_held(self) -> int:
         """Forget the gathered copies still referenced, and return their bytes. At the end of a backward, and at an
@@ -235,16 +259,7 @@ class Z3Runtime:
         later forward trained on them). Forgotten, they are gathered anew when used; their storage goes with the
         autograd graph that saved them (not freed here: a backward of that graph still reads them, and its releases
         are then no-ops)."""
-        nbytes = 0
-        for key in [k for k, entry in self._gathered.items() if entry.refs > 0]:
-            entry = self._gathered.pop(key)
-            address = entry.tensor.data_ptr()
-            self._gathered_at.pop(address, None)
-            self._forgotten_at.add(address)
-            nbytes += entry.nbytes
-        if nbytes:
-            self.comm.add_live_bytes(-nbytes, eager=False)
-        return nbytes
+        return sum(self._forget(key) for key in [k for k, entry in self._gathered.items() if entry.refs > 0])
 
     def release(self, tensor: Tensor, traced_ds_id: int = -1) -> None:
         """The ``release_param`` op: one reference to the gathered parameter ``tensor`` dropped (``traced_ds_id`` is

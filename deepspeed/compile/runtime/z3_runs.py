@@ -26,6 +26,13 @@ from .ops import Run, decode_plan
 GATHER_CHUNK_NUMEL = 1 << 20
 
 
+def shard_state(param: Parameter) -> Tuple[int, int]:
+    """What a gathered copy of ``param`` was gathered from: its shard's address and version counter. Anything that
+    writes the shard in place (ZeRO-3's partition of an updated parameter: ``GatheredParameters`` with a
+    ``modifier_rank``, ``load_state_dict`` inside it) or replaces it changes this."""
+    return param.ds_tensor.data_ptr(), param.ds_tensor._version
+
+
 @dataclass
 class Plan:
     members: Run  # (ds_id, gather dtype or None: its own) of a run
@@ -38,18 +45,21 @@ class _Started:
     send: Optional[Tensor]  # kept alive until the collective is done
     recv: Optional[Tensor]
     members: List[Parameter]
+    shards: List[Tuple[int, int]]  # the members' shard_state when it was started
     dtype: torch.dtype
     issued: float  # time.perf_counter() when the collective was started
 
 
 class GatherRuns:
-    """``is_gathered((ds_id, dtype))`` says whether a gathered copy exists; ``add_gathered(param, dtype, flat)``
-    hands one over, unclaimed, to the runtime (its ``gather_param`` op claims it)."""
+    """``is_gathered((ds_id, dtype))`` says whether a gathered copy exists; ``add_gathered(param, dtype, flat, shard)``
+    hands one over, unclaimed, to the runtime (its ``gather_param`` op claims it), with the ``shard_state`` it was
+    gathered from."""
 
     def __init__(self, params: Dict[int, Parameter], names: Dict[int, str], *, group, world_size: int,
                  device: torch.device, shards_offloaded: bool, native_start: bool, prefetch_across_graphs: bool,
                  comm: CommLog, is_gathered: Callable[[Tuple[int, torch.dtype]], bool],
-                 add_gathered: Callable[[Parameter, torch.dtype, Tensor], None], name: Callable[[Parameter], str]):
+                 add_gathered: Callable[[Parameter, torch.dtype, Tensor, Tuple[int, int]], None],
+                 name: Callable[[Parameter], str]):
         self.params, self._names = params, names
         self._by_name: Dict[str, Parameter] = {name: params[ds_id] for ds_id, name in names.items()}
         self.group, self.world_size, self.device = group, world_size, device
@@ -111,6 +121,10 @@ class GatherRuns:
             self._runs_last_step = self._runs_this_step
         self._runs_this_step = []
         self._on_last_step = True
+
+    @property
+    def has_inflight(self) -> bool:
+        return bool(self._inflight)
 
     def finish_inflight(self) -> None:
         """Every run started ahead, received and handed over (unclaimed: a run that was never used)."""
@@ -178,6 +192,7 @@ class GatherRuns:
     def _start(self, members: List[Parameter], dtype: torch.dtype) -> _Started:
         """One all-gather for several parameters, started: each rank sends its shards back to back, cast first (by the
         native op's start form, or while concatenating them)."""
+        states = [shard_state(p) for p in members]
         shards = [p.ds_tensor.reshape(-1) for p in members]
         if self.shards_offloaded:  # one copy to the device for the run (concatenated where the shards are)
             shards = [torch.cat(shards).to(self.device, non_blocking=True)]
@@ -193,7 +208,7 @@ class GatherRuns:
         self.comm.counters.allgather_collectives += 1
         self.comm.issued("all-gather", members, send.numel())
         self.comm.add_live_bytes(recv.numel() * recv.element_size(), eager=False)
-        return _Started(work, send, recv, members, dtype, time.perf_counter())
+        return _Started(work, send, recv, members, states, dtype, time.perf_counter())
 
     def _finish(self, started: _Started) -> None:
         """Wait for a started all-gather (the exposed part of its time is counted), then copy each parameter out
@@ -204,11 +219,11 @@ class GatherRuns:
                        lambda: "the all-gather of parameters " + ", ".join(self._name(p) for p in started.members))
         self.comm.done("all-gather", start, started.issued)
         offset = 0
-        for param in started.members:
+        for param, shard in zip(started.members, started.shards):
             width = param.ds_tensor.numel()
             flat = started.recv[:, offset:offset + width].reshape(-1)  # rows -> one contiguous buffer (a copy)
             offset += width
-            self._add_gathered(param, started.dtype, flat)
+            self._add_gathered(param, started.dtype, flat, shard)
         # the receive buffer is freed here (the copies above were live beside it)
         self.comm.add_live_bytes(-started.recv.numel() * started.recv.element_size(), eager=False)
         started.send = started.recv = None

@@ -101,6 +101,80 @@ def test_eval_between_training_steps_matches_eager_zero3():
             assert all(math.isfinite(x) for x in compiled["eval_losses"]), case
 
 
+# ----- weights edited between steps ---------------------------------------------------------------------------------
+def _edit_weights(engine, module, edit) -> None:
+    """As users edit ZeRO-3 weights (re-initialise a layer, load or scale weights): gathered, changed on rank 0, and
+    broadcast and partitioned again on leaving the context."""
+    import deepspeed
+    import torch.distributed as dist
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                edit(module)
+
+
+def _edits_between_steps(compile_section):
+    """The MLP at DeepSpeed's default reuse distance (forward keeps every parameter backward reads gathered). A step;
+    ``fc1`` re-initialised, an evaluation (no_grad), a step; a forward with grad enabled whose backward never comes
+    (an evaluation that forgot no_grad); ``head`` scaled, an evaluation, two steps."""
+    import torch.distributed as dist
+    from compare import full_params
+    from models import ds_config, make_batch
+    from training import make_engine
+    torch._dynamo.reset()
+    engine = make_engine("mlp", ds_config(3, compile_section, zero_overrides={"stage3_max_reuse_distance": int(1e9)}))
+    if compile_section:
+        engine.compile(backend="eager")
+    rank = dist.get_rank()
+    out = {"losses": [], "evals": []}
+
+    def step(i):
+        loss = engine(*make_batch("mlp", i, rank))
+        engine.backward(loss)
+        engine.step()
+        out["losses"].append(loss.item())
+
+    def evaluate(grad_mode=torch.no_grad):
+        with grad_mode():
+            out["evals"].append(engine(*make_batch("mlp", 999, rank)).item())
+
+    def reinit(module):
+        module.weight.copy_(torch.randn(module.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+        module.bias.fill_(0.1)
+
+    step(0)
+    _edit_weights(engine, engine.module.fc1, reinit)
+    evaluate()
+    step(1)
+    evaluate(torch.enable_grad)
+    _edit_weights(engine, engine.module.head, lambda module: module.weight.mul_(0.5))
+    evaluate()
+    step(2)
+    step(3)
+    out.update(params=full_params(engine), active=engine.is_deepcompile_active())
+    engine.destroy()
+    return out
+
+
+def _edits_pair():
+    return _edits_between_steps(None), _edits_between_steps({"deepcompile": True})
+
+
+def test_weights_edited_between_steps_are_read_as_in_eager_zero3():
+    """A forward whose backward never comes keeps the parameters backward would read gathered; the next forward shared
+    those copies (only an optimizer step made them stale), so after ``head`` was edited the evaluation still computed
+    with the old ``head`` (loss 0.2675 on rank 0, as before the edit; eager ZeRO-3: 0.2617), and so did the next
+    training step. Now a copy whose parameter's shard was written since is not shared: every loss and parameter
+    bitwise eager ZeRO-3's."""
+    from compare import unequal
+    for eager, compiled in run_distributed(_edits_pair):
+        assert compiled["active"]
+        assert compiled["evals"] == eager["evals"], (compiled["evals"], eager["evals"])
+        assert compiled["evals"][1] != compiled["evals"][2]  # the edit of head changed the evaluation
+        assert compiled["losses"] == eager["losses"], (compiled["losses"], eager["losses"])
+        assert not unequal(compiled["params"], eager["params"]), unequal(compiled["params"], eager["params"])
+
+
 # ----- buffers and a parameter registered in two modules ------------------------------------------------------
 def _buffers_pair():
     from compare import run_pair
