@@ -302,7 +302,9 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
             return aot(gm, example_inputs)
     from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
     from torch._inductor.compile_fx import partition_fn as inductor_partition
+    from torch._guards import detect_fake_mode
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
     from torch._inductor.output_code import OutputCode
     runtime, stats = compiler.runtime, compiler.stats
     settings = compiler.config.model_dump(exclude={"aot_cache"})  # whether to cache does not change the graphs
@@ -318,9 +320,14 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
         fw, bw = SerializableAOTDispatchCompiler(OutputCode, fw), SerializableAOTDispatchCompiler(OutputCode, bw)
     aot = aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=inductor_partition,
                        decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+    # inductor's joint-graph passes read the fake mode from its virtualized context, which compile_fx sets around
+    # AOTAutograd: without it a graph with random ops (dropout) failed in replace_random's seed pass ("'NullHandler'
+    # object does not support the context manager protocol")
+    fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
     with torch._inductor.config.patch(custom_partitioner_fn=cache.Partitioner(compiler.partition, key)), \
             torch._functorch.config.patch(enable_autograd_cache=use_cache and
-                                          torch._functorch.config.enable_autograd_cache):
+                                          torch._functorch.config.enable_autograd_cache), \
+            V.set_fake_mode(fake_mode):
         compiled = aot(gm, example_inputs)
     if use_cache and not compiler.compiled:
         compiler.load_record()

@@ -84,6 +84,19 @@ class PartlyFrozen(nn.Module):
         return F.mse_loss(self.out(torch.relu(self.trained(torch.relu(self.frozen(x))))).squeeze(-1), y)
 
 
+class DropoutMLP(OddMLP):
+    """Dropout between the layers: random numbers in the training graphs, none in evaluation."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.drop(F.gelu(self.fc1(x)))
+        h = torch.tanh(self.fc2(h))
+        return F.mse_loss(self.head(h), y)
+
+
 class BranchyMLP(OddMLP):
     """A data-dependent branch in the middle of forward: dynamo breaks the graph there."""
 
@@ -157,7 +170,7 @@ class RoutedMoE(nn.Module):
 
 
 MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP, "buffers": WithBuffers,
-          "moe": RoutedMoE}
+          "moe": RoutedMoE, "dropout": DropoutMLP}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
@@ -168,7 +181,7 @@ def make_model(name: str, seed: int = 0) -> nn.Module:
 def make_batch(name: str, step: int, rank: int, batch: int = 4):
     """A deterministic batch per (step, rank) whose targets are a fixed function of its inputs."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name in ("mlp", "branchy", "moe"):
+    if name in ("mlp", "branchy", "moe", "dropout"):
         x = torch.randn(batch, 16, generator=g)
         return x, 0.5 * torch.roll(x, 1, dims=-1)
     if name == "gpt":

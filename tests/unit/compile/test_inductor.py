@@ -134,6 +134,66 @@ def test_inductor_gradient_accumulation_checkpoint_and_compile_options(tmp_path)
         assert r["after_load"] == r["after_save"], (r["after_save"], r["after_load"])
 
 
+def _dropout_run(options):
+    """The MLP with dropout: 3 steps (the same seed before each on every engine), an evaluation (engine.eval(),
+    no_grad) after each, and the evaluation twice more at the end. ``options``: None for eager ZeRO-3, else the
+    inductor options of a DeepCompile engine."""
+    import torch.distributed as dist
+    from compare import full_params
+    from models import ds_config, make_batch
+    from training import make_engine
+    torch._dynamo.reset()
+    engine = make_engine("dropout", ds_config(3, None if options is None else {"deepcompile": True}, optimizer="sgd"))
+    if options is not None:
+        engine.compile(backend="inductor", compile_kwargs={"options": options} if options else {})
+    rank = dist.get_rank()
+    out = {"losses": [], "evals": []}
+
+    def evaluate():
+        engine.eval()
+        with torch.no_grad():
+            out["evals"].append(engine(*make_batch("dropout", 99, rank)).item())
+        engine.train()
+
+    for step in range(3):
+        torch.manual_seed(step)
+        loss = engine(*make_batch("dropout", step, rank))
+        engine.backward(loss)
+        engine.step()
+        out["losses"].append(loss.item())
+        evaluate()
+    evaluate()
+    out.update(params=full_params(engine), active=engine.is_deepcompile_active())
+    engine.destroy()
+    return out
+
+
+def _dropout_runs():
+    # fallback_random: inductor draws its random numbers as eager torch does, so the masks are eager ZeRO-3's
+    return {"eager": _dropout_run(None), "fallback_random": _dropout_run({"fallback_random": True}),
+            "default": _dropout_run({})}
+
+
+def test_inductor_trains_a_model_with_dropout():
+    """Inductor's joint-graph passes replace random ops (dropout) and read the fake mode from inductor's virtualized
+    context, which compile_fx sets around AOTAutograd and our compile did not: the first step failed
+    (BackendCompilerFailed: "'NullHandler' object does not support the context manager protocol"). With torch's
+    random numbers (``fallback_random``) the masks are eager ZeRO-3's, and losses, evaluations and parameters agree
+    within FP32_TOL; with inductor's own (its default) the masks differ, and training runs compiled with dropout off
+    in evaluation."""
+    import math
+    from compare import max_rel_diff, rel_diffs
+    for r in run_distributed(_dropout_runs, timeout_s=400):
+        eager, same, default = r["eager"], r["fallback_random"], r["default"]
+        assert same["active"] and default["active"]
+        worst = {"loss": max_rel_diff(eager["losses"], same["losses"]),
+                 "eval": max_rel_diff(eager["evals"], same["evals"]),
+                 "params": max(rel_diffs(same["params"], eager["params"]).values())}
+        assert all(v <= FP32_TOL for v in worst.values()), worst
+        assert all(math.isfinite(x) for x in default["losses"] + default["evals"]), default
+        assert default["evals"][-1] == default["evals"][-2]  # no dropout in evaluation
+
+
 def _one_process(steps, aot_cache=True):
     """One training process: the inductor engine, with what its stats say about compiling and torch's cache."""
     import time
