@@ -249,11 +249,16 @@ def test_packed_sequences_of_changing_lengths_train_as_eager_zero3():
             assert graphs[1:] == [graphs[1]] * (PACKED_STEPS - 1), f"{case}: graphs compiled after each step: {graphs}"
 
 
+FAMILIES = ("mixtral", "qwen2moe", "gemma", "bert", "peft_like", "lora")
+
+
 def _family(name: str):
     """A tiny model of a `transformers` family whose code differs from Llama's where DeepCompile could trip:
     data-dependent expert routing (Mixtral, Qwen2-MoE), a norm computing with 1 + weight (Gemma), an encoder with
     absolute positions and a tied decoder (BERT), and a frozen base whose trained parameters are all small enough
-    to be persistent (as with adapters: "peft_like", only the norms train)."""
+    to be persistent (as with adapters: "peft_like", only the norms train), and real `peft` LoRA adapters of rank 16
+    on attention and MLP projections ("lora": adapters above the persistence threshold, so sharded and gathered
+    like the frozen base; upstream, frozen parameters and LoRA made ``engine.compile()`` raise)."""
     import transformers as tf
     torch.manual_seed(0)
     common = dict(vocab_size=256, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -269,6 +274,10 @@ def _family(name: str):
     if name == "bert":
         return tf.BertForMaskedLM(tf.BertConfig(**common, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**decoder))
+    if name == "lora":
+        import peft
+        return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32,
+                                                          target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
     for param_name, param in model.named_parameters():
         param.requires_grad_("norm" in param_name)
     return model
@@ -278,7 +287,7 @@ def _families(steps):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     out = {}
-    for name in ("mixtral", "qwen2moe", "gemma", "bert", "peft_like"):
+    for name in FAMILIES:
         torch._dynamo.reset()
         for deepcompile in (False, True):
             model = _family(name)
@@ -291,6 +300,8 @@ def _families(steps):
                 from deepspeed.compile.report import engine_report
                 out[(name, "active")] = engine.is_deepcompile_active()
                 out[(name, "report")] = engine_report(engine)
+                out[(name, "sharded_trained")] = sum(p.requires_grad and not p.ds_persist
+                                                     for p in engine.module.parameters())
             engine.destroy()
     return out
 
@@ -298,10 +309,13 @@ def _families(steps):
 def test_model_families_train_as_eager_zero3():
     steps = 3
     for r in run_distributed(_families, steps, timeout_s=500):
-        for name in ("mixtral", "qwen2moe", "gemma", "bert", "peft_like"):
+        for name in FAMILIES:
             assert r[(name, "active")], name
             report = r[(name, "report")]
             assert report["gathers"] > 0 and report["eager_gathers"] == 0, (name, report)
+            if name == "lora":  # the adapters are sharded, gathered and reduce-scattered like any trained weight
+                assert r[(name, "sharded_trained")] > 0 and report["reduces"] > 0, (r[(name, "sharded_trained")],
+                                                                                   report)
             rel = _max_rel(r[(name, False)], r[(name, True)])
             assert rel <= 1e-5, (name, rel, r[(name, False)], r[(name, True)])
             eager_norms, norms = r[(name, False, "grad_norms")], r[(name, True, "grad_norms")]
