@@ -30,6 +30,7 @@ class Counters:
     reduce_collectives: int = 0
     reduce_bytes: int = 0  # bytes sent by gradient reductions (here all reduce-scatters)
     reduce_wait_seconds: float = 0.0  # time spent waiting for reduce-scatters started earlier
+    shard_copies: int = 0  # copies of offloaded shards to the device (one per run, or per single gather)
 
 
 class CommLog:

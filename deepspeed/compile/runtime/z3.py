@@ -71,7 +71,7 @@ class Z3Runtime:
         # The device the graphs compute on and gather to. ZeRO-3's offload_param keeps the shards elsewhere (the
         # CPU): a gather copies them over first, as eager ZeRO-3 does, and the cast and collective run here.
         self.device = torch.device(engine.device)
-        self.shards_offloaded = any(p.ds_tensor.device != self.device for p in self.sharded.values())
+        shards_offloaded = any(p.ds_tensor.device != self.device for p in self.sharded.values())
         native = load_native(native_op)
         self.gather_path = "native" if native is not None else "python"
         self._cast_all_gather = native or cast_all_gather_python
@@ -92,7 +92,7 @@ class Z3Runtime:
         # Across graphs (compile.regions='blocks': one graph per block, so each block's first run would wait): the
         # last run of a graph starts the run that came next in the last step, while this step has followed it
         self.runs = GatherRuns(self.params, names, group=self.group, world_size=self.world_size, device=self.device,
-                               shards_offloaded=self.shards_offloaded,
+                               shards_offloaded=shards_offloaded,
                                native_start=native is not None and self.device.type == "cuda",
                                prefetch_across_graphs=prefetch_across_graphs, comm=self.comm,
                                is_gathered=self._has_copy,
@@ -174,8 +174,9 @@ class Z3Runtime:
             return self._copy_held(param, key)
         start = time.perf_counter()
         gathered_from = shard_state(param)
-        if self.shards_offloaded:
+        if self.runs.shards_offloaded:
             shard = shard.to(self.device, non_blocking=True)
+            self.counters.shard_copies += 1
         self.comm.issued("all-gather", (param,), shard.numel())
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
         with self.comm.timeout_named(lambda: f"the all-gather of parameter {self.eager.name(param)}"):

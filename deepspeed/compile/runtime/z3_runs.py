@@ -196,6 +196,7 @@ class GatherRuns:
         shards = [p.ds_tensor.reshape(-1) for p in members]
         if self.shards_offloaded:  # one copy to the device for the run (concatenated where the shards are)
             shards = [torch.cat(shards).to(self.device, non_blocking=True)]
+            self.comm.counters.shard_copies += 1
         if self.native_start:  # the op casts into a send buffer of its own: a single shard needs no copy first
             send = shards[0] if len(shards) == 1 else torch.cat(shards)
             work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.comm.timeout)

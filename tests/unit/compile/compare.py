@@ -113,8 +113,12 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
                 "ran_uncompiled": state.runtime.eager._warned_reuse if stage == 3 else False,
                 # per compiled graph (forward and backward): the parameters its collectives were traced with
                 "traced_params": [sorted({names[key] for _, key in order}) for order in state.stats.collective_orders],
+                "gathered_params": sorted({names[key] for order in state.stats.collective_orders
+                                           for op, key in order if op == "gather"}),
                 # coalesced runs the last step gathered (ZeRO-3, regions='blocks': the runtime's record of them)
-                "runs_per_step": len(state.runtime.runs.last_step) if stage == 3 else 0})
+                "runs_per_step": len(state.runtime.runs.last_step) if stage == 3 else 0,
+                # parameters ZeRO-3 keeps whole (stage3_param_persistence_threshold): never gathered by the graphs
+                "persistent": len(state.runtime.persistent) if stage == 3 else 0})
     compiled.destroy()
     return out
 

@@ -55,7 +55,7 @@ def _offload_against_eager():
     eager = run_eager("gpt", STEPS, grad_steps=2, **OFFLOAD)
 
     def take_copy_path(engine):
-        runtime_of(engine).shards_offloaded = True
+        runtime_of(engine).runs.shards_offloaded = True
 
     for name, after_compile in (("offload", None), ("offload_copied", take_copy_path)):
         warnings = RecordWarnings()
@@ -103,6 +103,7 @@ def test_unfused_cast_matches_eager_zero3_under_autocast(results):
         assert r["active"] and r["live_after_step"] == [0] * STEPS
         print("fused_cast false:", check_bf16_against_eager(r, "autocast"))
         # the option took effect: nothing was gathered in bf16; the fused run gathered the downcast weights in bf16
+        assert r["counters"]["gathers"] > 0 and r["counters"]["allgather_bytes_by_dtype"]["torch.float32"] > 0
         assert "torch.bfloat16" not in r["counters"]["allgather_bytes_by_dtype"], r["counters"]
         assert out["fused"]["counters"]["allgather_bytes_by_dtype"]["torch.bfloat16"] > 0
         assert r["losses"] == out["fused"]["losses"]
@@ -119,4 +120,6 @@ def test_parameter_and_optimizer_offload_to_cpu_runs_deepcompile_as_eager_zero3(
         # DeepCompile ran (it used to fall back to plain torch.compile, which fails on this model), with no warning
         assert r["active"] and not r["warnings"] and r["live_after_step"] == [0] * STEPS, r["warnings"]
         assert r["counters"]["allgather_collectives"] < r["counters"]["gathers"], r["counters"]  # coalesced runs
+        # the copy path ran where it was asked for, and nowhere else (the CPU is the device here)
+        assert (r["counters"]["shard_copies"] > 0) == (run == "offload_copied"), r["counters"]
         assert_bitwise_equal(r)

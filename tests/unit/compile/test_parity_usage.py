@@ -152,6 +152,9 @@ def _edits_between_steps(compile_section):
     step(2)
     step(3)
     out.update(params=full_params(engine), active=engine.is_deepcompile_active())
+    if compile_section:
+        from deepspeed.compile.report import engine_report
+        out["report"] = engine_report(engine)
     engine.destroy()
     return out
 
@@ -168,7 +171,10 @@ def test_weights_edited_between_steps_are_read_as_in_eager_zero3():
     bitwise eager ZeRO-3's."""
     from compare import unequal
     for eager, compiled in run_distributed(_edits_pair):
-        assert compiled["active"]
+        # the graphs gathered, and forward kept copies for backward: the case whose copies went stale
+        report = compiled["report"]
+        assert compiled["active"] and report["gathers"] > 0 and report["eager_gathers"] == 0, report
+        assert report["kept_gathered_bytes"] > 0, report
         assert compiled["evals"] == eager["evals"], (compiled["evals"], eager["evals"])
         assert compiled["evals"][1] != compiled["evals"][2]  # the edit of head changed the evaluation
         assert compiled["losses"] == eager["losses"], (compiled["losses"], eager["losses"])

@@ -303,10 +303,13 @@ def test_collective_order_is_the_same_on_every_rank(backend):
 
 def test_persistent_parameters_match_eager_zero3():
     from compare import assert_bitwise_equal
-    # norms, biases and the position table persist (not partitioned)
+    # norms, biases and the position table persist (not partitioned): they are not among the graphs' gathers
     for r in run_distributed(_pair, "gpt", "fp32", {}, STEPS, 1, "adamw", {"persistence_threshold": 1000}):
         _check_common(r)
         assert_bitwise_equal(r)
+        assert r["persistent"] > 0, r["persistent"]
+        gathered = r["gathered_params"]
+        assert gathered and not any("norm" in name or name.endswith("bias") for name in gathered), sorted(gathered)
 
 
 def _gather_timeout(native_op, flag):
