@@ -107,6 +107,8 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
              else {key: state.runtime._names[key] for key in state.runtime.params})
     out.update({"active": compiled.is_deepcompile_active(), "counters": vars(state.runtime.counters).copy(),
                 "saved": vars(state.stats.saved).copy(), "graphs": state.stats.graphs_compiled,
+                # the largest gathered bytes any compiled graph's schedule holds at once (schedule/memory_plan.py)
+                "planned_peak": state.stats.planned_peak_gathered_bytes,
                 # a graph ran uncompiled on parameters other than those it was traced with (bind_to_traced_params)
                 # (ZeRO-3 only: ZeRO-1/2 graphs find every parameter from their inputs; ``counters["eager_grads"]``
                 # counts their gradients from eager code)
@@ -151,6 +153,19 @@ def assert_one_graph_serves_both_blocks(r: Dict[str, Any]) -> None:
     assert len(block_graphs) == 2 and all(n.startswith("blocks.0.") for names in block_graphs for n in names
                                           if n.startswith("blocks.")), r["traced_params"]
     assert not r["ran_uncompiled"]
+
+
+def assert_ran_compiled(r: Dict[str, Any]) -> None:
+    """What :func:`run_compiled` returned came from compiled graphs, not from eager ZeRO under an active flag: graphs
+    were compiled, and they reduced the gradients (ZeRO-3: and gathered parameters; ZeRO-1/2: no gradient came from
+    eager code). A parity check alone passes when nothing was compiled, since eager ZeRO matches itself."""
+    c = r["counters"]
+    assert r["active"] and r["graphs"] >= 1, (r["active"], r["graphs"])
+    assert c["reduces"] > 0, c
+    if "eager_grads" in c:  # ZeRO-1/2
+        assert c["eager_grads"] == 0, c
+    else:
+        assert c["gathers"] > 0 or r["persistent"] > 0, c
 
 
 def assert_bitwise_equal(r: Dict[str, Any]) -> None:

@@ -94,6 +94,7 @@ def _varlen(step):
 
 def _check_exact(r, steps):
     assert r["active"], "the engine is not running DeepCompile"
+    assert r["graphs"] >= 1 and r["gathers"] > 0, (r["graphs"], r["gathers"])  # compiled graphs gathered
     assert len(r["losses"]) == steps
     assert r["losses"] == r["eager_losses"], (r["losses"], r["eager_losses"])
     assert r["params_equal"], r["param_diff"]

@@ -121,6 +121,7 @@ def test_regions_blocks_warns_of_a_transformers_kv_cache():
 # ----- 2 ranks ---------------------------------------------------------------------------------------------
 
 def _train_zero3_deepcompile():
+    import time
     import torch
     from deepspeed.compile.passes import prefetch
     from deepspeed.compile.report import collective_spans, engine_report, record_gathered_timeline
@@ -132,9 +133,14 @@ def _train_zero3_deepcompile():
     # a torch.compile mode as Accelerate passes Trainer's torch_compile_mode: inductor's, so nothing with eager
     losses = train(engine, "mlp", 7, compile_kwargs={"backend": "eager", "compile_kwargs": {"mode": "max-autotune"}})
     record_gathered_timeline(engine)
+    before, start = engine_report(engine), time.perf_counter()
     losses += train(engine, "mlp", 1, first_step=7)
+    end, after = time.perf_counter(), engine_report(engine)
     out = {"wrapped_before": wrapped, "wrapped_after": torch.nn.functional.linear is zero3_linear_wrap,
-           "pass_times": dict(engine.get_compile_time()), "spans": collective_spans(engine)}
+           "pass_times": dict(engine.get_compile_time()), "spans": collective_spans(engine), "window": (start, end),
+           # the collectives the runtime counted in the recorded step, by the kind a span names
+           "counted": {"all-gather": after["allgather_collectives"] - before["allgather_collectives"],
+                       "reduce-scatter": after["reduce_collectives"] - before["reduce_collectives"]}}
     engine.register_compile_pass(prefetch.NAME, prefetch.schedule_prefetch, prefetch.CONTRACT)  # stock: accepted
     try:
         engine.register_compile_pass("my_pass", lambda gm: gm)
@@ -152,9 +158,12 @@ def test_zero3_deepcompile_initializes_and_trains():
         assert out["wrapped_before"] and out["wrapped_after"], out
         assert {"insert_releases", "fast_free_schedule", "insert_reduces"} <= set(out["pass_times"]), out
         assert "my_pass" in out.get("custom_pass_error", ""), out
-        # one recorded step: every collective's span, issued before its wait ended
-        kinds = {kind for kind, _, _ in out["spans"]}
-        assert kinds == {"all-gather", "reduce-scatter"} and all(a <= b for _, a, b in out["spans"]), out["spans"]
+        # one recorded step: a span for every collective the runtime counted in it, each issued before its wait
+        # ended, both within the step
+        spans, (start, end) = out["spans"], out["window"]
+        assert {kind: sum(k == kind for k, _, _ in spans) for kind in out["counted"]} == out["counted"], (spans, out)
+        assert all(n > 0 for n in out["counted"].values()), out["counted"]
+        assert all(start <= a <= b <= end for _, a, b in spans), (start, end, spans)
         # the graphs this module compiled did the work: gathers in forward and backward, reduces in backward
         assert report is not None and report["graphs_compiled"] == 1, report  # one forward graph
         assert report["gathers"] > 0 and report["reduces"] > 0 and report["live_gathered_bytes"] == 0, report

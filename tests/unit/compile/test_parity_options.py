@@ -1,6 +1,6 @@
 """Each of this module's own "compile" options against eager ZeRO-3 on the same data (2 gloo ranks, eager backend).
 
-fp32 options (``schedule: "traced"``, ``prefetch: 2``, ``partitioner: "default"``, ``regions: "blocks"``) change
+fp32 options (none set, ``schedule: "traced"``, ``prefetch: 2``, ``partitioner: "default"``, ``regions: "blocks"``) change
 where gathers, releases and saved tensors go, or which graphs there are, never the arithmetic: losses, gradients
 after every backward of the first 2 steps, parameters and buffers must be bitwise equal to eager ZeRO-3's.
 ``fused_cast: false`` only matters under autocast(bf16), where the compiled graph and eager ZeRO-3 round
@@ -12,7 +12,7 @@ import pytest
 from distributed import run_distributed
 
 STEPS = 6
-FP32_OPTIONS = {"traced": {"schedule": "traced"}, "prefetch2": {"prefetch": 2},
+FP32_OPTIONS = {"none": {}, "traced": {"schedule": "traced"}, "prefetch2": {"prefetch": 2},
                 "default_partitioner": {"partitioner": "default"}, "blocks": {"regions": "blocks"}}
 
 
@@ -90,6 +90,11 @@ def test_fp32_option_matches_eager_zero3(results, option):
             # too (each graph's first run waits for its collective otherwise)
             runs = r["runs_per_step"]
             assert runs >= 12 and r["counters"]["runs_started_ahead"] >= (STEPS - 1) * (runs - 1), (runs, r["counters"])
+    # the schedule options took effect: against the default schedule (just in time, one gather ahead), the traced
+    # order gathers everything at the top and a second gather ahead holds more at once
+    if option in ("traced", "prefetch2"):
+        assert all(out[option]["planned_peak"] > out["none"]["planned_peak"] > 0 for out in results), [
+            (out[option]["planned_peak"], out["none"]["planned_peak"]) for out in results]
     if option == "default_partitioner":  # the option took effect: parameters are saved for backward
         assert all(out[option]["saved"]["param_bytes"] > 0 for out in results)
     else:
@@ -107,6 +112,7 @@ def test_unfused_cast_matches_eager_zero3_under_autocast(results):
         assert "torch.bfloat16" not in r["counters"]["allgather_bytes_by_dtype"], r["counters"]
         assert out["fused"]["counters"]["allgather_bytes_by_dtype"]["torch.bfloat16"] > 0
         assert r["losses"] == out["fused"]["losses"]
+        assert len(r["grads"]) == len(out["fused"]["grads"]) > 0
         for g, fg in zip(r["grads"], out["fused"]["grads"]):
             assert not unequal(g, fg)
         assert not unequal(r["params"], out["fused"]["params"])

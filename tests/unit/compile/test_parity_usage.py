@@ -94,6 +94,7 @@ def test_eval_between_training_steps_matches_eager_zero3():
             # the eval forward used the running statistics and left them alone
             for before, after in compiled["buffers_around_eval"]:
                 assert not unequal(before, after), case
+            assert len(compiled["grads"]) == len(eager["grads"]) > 0, case
             for i, (g, eg) in enumerate(zip(compiled["grads"], eager["grads"])):
                 assert not unequal(g, eg), f"{case}, step {i}: gradients differ for {unequal(g, eg)}"
             assert not unequal(compiled["params"], eager["params"]), case
@@ -218,9 +219,9 @@ def _clipping_pair():
 
 def test_gradient_clipping_matches_eager_zero3():
     # SGD: a clipped step moves the parameters by lr * CLIP * g / ||g||, so the clip scale shows in them
-    from compare import assert_bitwise_equal
+    from compare import assert_bitwise_equal, assert_ran_compiled
     for r in run_distributed(_clipping_pair):
-        assert r["active"]
+        assert_ran_compiled(r)
         assert_bitwise_equal(r)  # global gradient norms included
         assert all(norm > 2 * CLIP for norm in r["grad_norms"]), ("clipping was not active", r["grad_norms"])
 
@@ -252,6 +253,7 @@ def test_world_size_4_matches_eager_zero3():
             worst = {"loss": max_rel_diff(r["eager_losses"], r["losses"]),
                      "grad_norm": max_rel_diff(r["eager_grad_norms"], r["grad_norms"]),
                      "params": max(rel_diffs(r["params"], r["eager_params"]).values())}
+            assert len(r["grads"]) == len(r["eager_grads"]) > 0
             for i, (g, eg) in enumerate(zip(r["grads"], r["eager_grads"])):
                 worst[f"grad{i}"] = max(rel_diffs(g, eg).values())
             print(model, worst, "not bitwise:", unequal(r["params"], r["eager_params"]))
@@ -275,6 +277,7 @@ def _allow_fp16_on_cpu():
 def _fp16_run(compile_section, stage=3):
     import torch.distributed as dist
     from compare import full_grads, full_params, unequal
+    from deepspeed.compile.report import engine_report
     from models import ds_config, make_batch
     from training import make_engine
     _allow_fp16_on_cpu()
@@ -299,7 +302,7 @@ def _fp16_run(compile_section, stage=3):
         out["skipped"].append(engine.skipped_steps)
         out["scale"].append(engine.optimizer.loss_scale)
         out["params_moved"].append(len(unequal(before, full_params(engine))))
-    out.update(params=full_params(engine), active=engine.is_deepcompile_active())
+    out.update(params=full_params(engine), active=engine.is_deepcompile_active(), report=engine_report(engine))
     engine.destroy()
     return out
 
@@ -315,7 +318,9 @@ def test_fp16_dynamic_loss_scaling_matches_eager_zero(stage):
     """Against eager ZeRO of the same stage: DeepCompile for ZeRO-1/2 hands fp16 gradients to the same loss scaler."""
     from compare import rel_diffs, unequal
     for eager, compiled, fp32_grads in run_distributed(_fp16_pair, stage):
-        assert compiled["active"]
+        report = compiled["report"]  # the steps ran in compiled graphs: they reduced (ZeRO-3: gathered) every gradient
+        assert compiled["active"] and report["graphs_compiled"] >= 1 and report["reduces"] > 0, report
+        assert report["gathers"] > 0 if stage == 3 else report["eager_grads"] == 0, report
         # loss scaling: the same overflow, skipped, the scale halved once, the skipped step left every parameter
         assert compiled["skipped"] == eager["skipped"] == [0] * OVERFLOW_STEP + [1] * (FP16_STEPS - OVERFLOW_STEP)
         assert compiled["scale"] == eager["scale"]
@@ -447,6 +452,7 @@ def test_dynamic_shapes_and_changing_batch_size_match_eager_zero3():
         assert compiled["active"] and compiled["gathers"] > 0 and compiled["eager_gathers"] == 0, compiled
         assert compiled["losses"] == eager["losses"], (compiled["losses"], eager["losses"])
         assert compiled["grad_norms"] == eager["grad_norms"]
+        assert len(compiled["grads"]) == len(eager["grads"]) > 0
         for i, (g, eg) in enumerate(zip(compiled["grads"], eager["grads"])):
             assert not unequal(g, eg), f"step {i}: gradients differ for {unequal(g, eg)}"
         for key in ("params", "buffers"):
@@ -506,6 +512,7 @@ def test_leaf_module_experts_routed_differently_across_ranks_match_eager_zero3()
         assert compiled["active"] and compiled["gathers"] > 0, compiled
         assert compiled["losses"] == eager["losses"], (compiled["losses"], eager["losses"])
         assert compiled["grad_norms"] == eager["grad_norms"]
+        assert len(compiled["grads"]) == len(eager["grads"]) > 0
         for i, (g, eg) in enumerate(zip(compiled["grads"], eager["grads"])):
             assert not unequal(g, eg), f"step {i}: gradients differ for {unequal(g, eg)}"
         assert not unequal(compiled["params"], eager["params"]), unequal(compiled["params"], eager["params"])

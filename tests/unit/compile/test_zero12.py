@@ -81,6 +81,7 @@ def _checkpoint_round_trip(stage, ckpt_dir):
     must repeat what the saving engine did after saving (parameters and optimizer state carried over)."""
     import torch
     from compare import full_params, unequal
+    from deepspeed.compile.report import engine_report
     from models import ds_config
     from training import make_engine, train
     out = {}
@@ -99,7 +100,8 @@ def _checkpoint_round_trip(stage, ckpt_dir):
         engine.load_checkpoint(ckpt_dir, tag=name)
         resumed = train(engine, "gpt", 2, first_step=2), full_params(engine)
         out[name] = {"losses": (resumed[0], continued[0]), "params": unequal(resumed[1], continued[1]),
-                     "final": resumed[1], "active": engine.is_deepcompile_active()}
+                     "final": resumed[1], "active": engine.is_deepcompile_active(),
+                     "report": engine_report(engine)}
         engine.destroy()
     out["eager_equal"] = (out["eager"]["losses"][0] == out["deepcompile"]["losses"][0]
                           and not unequal(out["eager"]["final"], out["deepcompile"]["final"]))
@@ -177,7 +179,10 @@ def test_checkpoint_round_trip_matches_eager_zero(stage_results):
         for name in ("eager", "deepcompile"):
             r = out["checkpoint"][name]
             assert r["losses"][0] == r["losses"][1] and r["params"] == [], (name, r)
-        assert out["checkpoint"]["deepcompile"]["active"]
+        # the reloaded engine trained in compiled graphs: its gradients all came from them
+        report = out["checkpoint"]["deepcompile"]["report"]
+        assert out["checkpoint"]["deepcompile"]["active"] and report["graphs_compiled"] >= 1, report
+        assert report["reduces"] > 0 and report["eager_grads"] == 0, report
         assert out["checkpoint"]["eager_equal"], "DeepCompile after a reload differs from eager ZeRO after a reload"
 
 
@@ -200,11 +205,11 @@ def test_bf16_and_autocast_within_eager_zero_own_error(stage):
     """Eager ZeRO-1/2 run ``nn.Linear`` as aten's linear, the compiled graph as its decomposition: both round in bf16
     (unit round-off 2^-8), differently. Bound: twice eager ZeRO's own bf16 gradient error against fp32
     (``compare.check_bf16_against_eager``); a wrong scale or a lost gradient is off by 50 % or more."""
-    from compare import check_bf16_against_eager
+    from compare import assert_ran_compiled, check_bf16_against_eager
     for out in run_distributed(_mixed_precision, stage, timeout_s=400):
         for dtype in ("bf16", "autocast"):
             r = out[dtype]
-            assert r["active"], dtype
+            assert_ran_compiled(r)
             print(f"ZeRO-{stage} {dtype}:", check_bf16_against_eager(r, dtype))
 
 
@@ -212,15 +217,16 @@ def _inductor(stage):
     from compare import max_param_diff, max_rel_diff, run_pair
     r = run_pair("gpt", STEPS, stage=stage, backend="inductor", optimizer="sgd")
     return {"loss": max_rel_diff(r["eager_losses"], r["losses"]), "param": max_param_diff(r["params"], r["eager_params"]),
-            "active": r["active"], "reduces": r["counters"]["reduces"]}
+            "active": r["active"], "graphs": r["graphs"], "counters": r["counters"], "persistent": r["persistent"]}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_inductor_matches_eager_zero(stage):
     """Inductor fuses and reorders fp32 arithmetic (a reduction's order changes its rounding): losses within 1e-5
     relative and SGD parameters within 1e-5 of eager ZeRO's, 100x the differences measured here (about 1e-7)."""
+    from compare import assert_ran_compiled
     for r in run_distributed(_inductor, stage, timeout_s=500):
-        assert r["active"] and r["reduces"] > 0, r
+        assert_ran_compiled(r)
         assert r["loss"] <= 1e-5 and r["param"] <= 1e-5, r
 
 
