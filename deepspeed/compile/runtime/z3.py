@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn import Parameter
 
 from ..native.gather import cast_all_gather_python, load_native
@@ -253,14 +254,27 @@ class Z3Runtime:
             self._forget(key)
 
     def _forget_held(self) -> int:
-        """Forget the gathered copies still referenced, and return their bytes. At the end of a backward, and at an
+        """Forget the gathered copies still referenced. At the end of a backward, and at an
         optimizer step, a copy is referenced only by a forward whose backward never ran (an evaluation that forgot
         ``no_grad``, an output dropped): the parameters its graph keeps for backward are never released. Shared by a
         later gather they would hold the runtime's memory for good and, after an optimizer step, the old weights (a
         later forward trained on them). Forgotten, they are gathered anew when used; their storage goes with the
         autograd graph that saved them (not freed here: a backward of that graph still reads them, and its releases
-        are then no-ops)."""
-        return sum(self._forget(key) for key in [k for k, entry in self._gathered.items() if entry.refs > 0])
+        are then no-ops).
+
+        Returns the bytes of those copies that stay allocated once the runtime lets go: held by an autograd graph
+        still alive (its output kept) whose backward has not run. A graph whose output was dropped (``.item()`` of an
+        evaluation's loss, a result used detached, as peft's DoRA uses its weight norm) is gone already, and so are
+        its copies once forgotten."""
+        keys = [key for key, entry in self._gathered.items() if entry.refs > 0]
+        storages: Dict[int, Tuple[StorageWeakRef, int]] = {}  # a run's members share one flat storage
+        for key in keys:
+            storage = self._gathered[key].tensor.untyped_storage()
+            storages.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+            del storage  # no reference of ours may outlive the forgetting below
+        for key in keys:
+            self._forget(key)
+        return sum(nbytes for ref, nbytes in storages.values() if not ref.expired())
 
     def release(self, tensor: Tensor, traced_ds_id: int = -1) -> None:
         """The ``release_param`` op: one reference to the gathered parameter ``tensor`` dropped (``traced_ds_id`` is
@@ -419,13 +433,14 @@ class Z3Runtime:
         self.eager.release()
         standins.uninstall(self.params.values())
         self._backward_pending = False
-        forgotten = self._forget_held()
-        if forgotten and not self._warned_forgotten:
+        retained = self._forget_held()
+        if retained and not self._warned_forgotten:
             self._warned_forgotten = True
-            log.warning("deepspeed-compile: a forward ran with grad enabled and its backward did not (an evaluation "
-                        "without torch.no_grad()?): the %d gathered bytes its graph keeps for backward stay allocated "
-                        "until that graph is freed (eager ZeRO-3 frees its parameters after each module instead). "
-                        "Run such forwards under torch.no_grad()", forgotten)
+            log.warning("deepspeed-compile: a forward ran with grad enabled, its output is still referenced and its "
+                        "backward has not run (an evaluation without torch.no_grad() whose loss is kept?): the %d "
+                        "gathered bytes its graph keeps for backward stay allocated until that output is freed (eager "
+                        "ZeRO-3 frees its parameters after each module instead). Run such forwards under "
+                        "torch.no_grad()", retained)
         if self.counters.live_gathered_bytes:
             log.warning("deepspeed-compile: %d gathered bytes still live after backward",
                         self.counters.live_gathered_bytes)

@@ -16,14 +16,18 @@ from deepspeed.compile.engine_state import runtime_of  # noqa: E402
 
 
 # ----- evaluation between training steps -----------------------------------------------------------------------
-def _eval_between_steps(compile_section, grad_mode: str, persistence_threshold: int, reuse_distance: int = 0):
+def _eval_between_steps(compile_section, grad_mode: str, persistence_threshold: int, reuse_distance: int = 0,
+                        hold: bool = False):
     """Train 4 steps; before step 0 and after steps 1 and 3, engine.eval() and a forward on a held-out batch under
     ``grad_mode`` (``torch.no_grad``, ``torch.inference_mode``, or ``torch.enable_grad``: an evaluation that forgot
-    no_grad, whose backward never comes), then train."""
+    no_grad, whose backward never comes), then train. ``hold``: the evaluation's losses are kept (with their autograd
+    graphs) to the end, not only their values. Also returns DeepCompile's warnings."""
+    import logging
+    import deepspeed
     import torch.distributed as dist
     from compare import buffers, full_grads, full_params
     from models import ds_config, make_batch
-    from training import make_engine
+    from training import RecordWarnings, make_engine
     torch._dynamo.reset()
     engine = make_engine("buffers", ds_config(3, compile_section, persistence_threshold=persistence_threshold,
                                               zero_overrides={"stage3_max_reuse_distance": reuse_distance}))
@@ -34,13 +38,19 @@ def _eval_between_steps(compile_section, grad_mode: str, persistence_threshold: 
     out = {"losses": [], "eval_losses": [], "grads": [], "eval_gathers": [], "live_after_eval": [],
            "live_after_backward": [],
            "buffers_around_eval": [], "persistent": sum(p.ds_persist for p in engine.module.parameters())}
+    held = []
+    warnings = RecordWarnings()
+    logging.getLogger("deepspeed.compile").addHandler(warnings)
 
     def evaluate():
         before = buffers(engine)
         gathers = runtime.counters.gathers if runtime else 0
         engine.eval()
         with getattr(torch, grad_mode)():
-            out["eval_losses"].append(engine(*make_batch("buffers", 999, rank)).item())
+            eval_loss = engine(*make_batch("buffers", 999, rank))
+            out["eval_losses"].append(eval_loss.item())
+            if hold:
+                held.append(eval_loss)
         engine.train()
         out["buffers_around_eval"].append((before, buffers(engine)))
         if runtime:
@@ -59,7 +69,10 @@ def _eval_between_steps(compile_section, grad_mode: str, persistence_threshold: 
         if step in (1, 3):
             evaluate()
     out.update(params=full_params(engine), buffers=buffers(engine), training=engine.module.training,
-               active=engine.is_deepcompile_active())
+               active=engine.is_deepcompile_active(), warnings=[m for m in warnings.messages if "deepspeed-compile" in m])
+    logging.getLogger("deepspeed.compile").removeHandler(warnings)
+    deepspeed.utils.logger.removeHandler(warnings)
+    held.clear()  # the evaluations' graphs go before the engine
     engine.destroy()
     return out
 
@@ -69,10 +82,11 @@ def _eval_pairs():
     forward gathers and keeps for the training steps after it (they were kept as inference tensors, and the first
     training step failed: "Inference tensors cannot be saved for backward"); enable_grad at DeepSpeed's default reuse
     distance, where the forward keeps its parameters gathered for a backward that never comes (the next step's
-    forward shared them, holding the weights from before the optimizer step: its loss was 0.325 against 0.291)."""
+    forward shared them, holding the weights from before the optimizer step: its loss was 0.325 against 0.291);
+    and the same with the evaluation's losses kept, graphs and all."""
     cases = {"no_grad": ("no_grad", 0), "inference_mode": ("inference_mode", 100),
              # DeepSpeed's default reuse distance: the forward keeps every parameter gathered for its backward
-             "enable_grad": ("enable_grad", 0, int(1e9))}
+             "enable_grad": ("enable_grad", 0, int(1e9)), "enable_grad_held": ("enable_grad", 0, int(1e9), True)}
     return {case: (_eval_between_steps(None, *args), _eval_between_steps({"deepcompile": True}, *args))
             for case, args in cases.items()}
 
@@ -84,10 +98,14 @@ def test_eval_between_training_steps_matches_eager_zero3():
             assert compiled["active"] and compiled["training"], case
             assert (compiled["persistent"] > 0) == (case == "inference_mode"), (case, compiled["persistent"])
             assert compiled["eval_gathers"][0] > 0, (case, compiled)
-            if case != "enable_grad":
+            if not case.startswith("enable_grad"):
                 assert compiled["live_after_eval"] == [0, 0, 0], (case, compiled)
             else:  # the evaluation kept its parameters for a backward that never came: forgotten at the next one
                 assert all(live > 0 for live in compiled["live_after_eval"]), (case, compiled["live_after_eval"])
+            # a warning only where the evaluation's graph, kept by the user, still holds those copies; a dropped
+            # output (here .item(); peft's DoRA uses a result detached) freed them with its graph
+            retained = [m for m in compiled["warnings"] if "backward has not run" in m]
+            assert len(retained) == (case == "enable_grad_held"), (case, compiled["warnings"])
             assert compiled["live_after_backward"] == [0] * 4, (case, compiled["live_after_backward"])
             assert compiled["losses"] == eager["losses"], case
             assert compiled["eval_losses"] == eager["eval_losses"], case
