@@ -66,6 +66,16 @@ def test_the_local_floor_is_not_loss_checked_nor_the_reference():
     assert results[1]["loss_check"] == "ok" and results[2]["loss_check"] == "FAILED"
 
 
+@pytest.mark.parametrize("dtype, inside, outside", [("fp32", 5e-5, 2e-4), ("bf16", 1e-2, 3e-2),
+                                                    ("autocast", 1e-2, 3e-2)])
+def test_loss_tolerance_is_the_dtype_s(dtype, inside, outside):
+    """Just inside and just outside each dtype's relative tolerance (fp32 1e-4, bf16 and autocast 2e-2)."""
+    for rel, verdict in ((inside, "ok"), (outside, "FAILED")):
+        results = [_result("zero3", 0.5, dtype=dtype), _result("ours-mincut", 0.4, loss=7.0 * (1 + rel), dtype=dtype)]
+        check_losses(results)
+        assert results[1]["loss_check"] == verdict, (dtype, rel, results[1])
+
+
 def test_every_round_s_loss_is_checked():
     zero3 = merge_rounds([_result("zero3", 0.5), _result("zero3", 0.5)])
     ours = merge_rounds([_result("ours-mincut", 0.4), _result("ours-mincut", 0.4, loss=7.5)])  # one launch diverged
@@ -77,7 +87,7 @@ def test_every_round_s_loss_is_checked():
 def test_rounds_below_one_are_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--rounds", "0"])
-    assert "--rounds" in capsys.readouterr().err
+    assert "--rounds: must be at least 1, got 0" in capsys.readouterr().err  # not only the usage line
 
 
 def test_steady_step_overrides_are_one_object_for_every_row_or_one_per_row(capsys):

@@ -5,6 +5,7 @@ see ``checkout.py``); the spawned ranks then load the cached library. Multi-rank
 (``run_distributed``); rank functions import deepspeed-dependent modules inside, after ``checkout``.
 """
 import logging
+import time
 from typing import Dict, List, Optional, Tuple
 
 import os
@@ -17,6 +18,7 @@ from distributed import run_distributed
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # parameter sizes: divisible by 2 ranks, not divisible (37: padded to 2 x 19), and a larger one
 PARAM_NUMELS = (36, 37, 4099)
+LATE_S = 0.4  # how late rank 1 starts the collectives whose start must not block
 
 
 def require_buildable(reasons: List[str], under_ci: bool) -> None:
@@ -72,7 +74,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # ----- rank functions (module level: each rank imports them by name) ---------------------------------------
-def _rank_native_matches_python(dtype_names: List[str], numels: Tuple[int, ...]) -> Dict[str, int]:
+def _rank_native_matches_python(dtype_names: List[str], numels: Tuple[int, ...]) -> Dict[str, Tuple[int, int]]:
     import torch.distributed as dist
     from deepspeed.compile.native import cast_all_gather_python, cast_all_gather_start, load_native
 
@@ -80,6 +82,7 @@ def _rank_native_matches_python(dtype_names: List[str], numels: Tuple[int, ...])
     rank, world_size = dist.get_rank(), dist.get_world_size()
     subgroup = dist.new_group(list(range(world_size)))  # a non-default group resolves by its own name
     checked = {}
+    timed = False
     for numel in numels:
         torch.manual_seed(numel)  # same full parameter on every rank
         param = torch.randn(numel, dtype=torch.float32) * 3.0
@@ -95,14 +98,27 @@ def _rank_native_matches_python(dtype_names: List[str], numels: Tuple[int, ...])
                 # and both are the cast of the full parameter (padding trimmed), shard by shard
                 assert torch.equal(_bits(out_native[:numel]), _bits(param.to(dtype))), (numel, name)
                 assert not torch.any(out_native[numel:]), "padding must gather as zeros"
-                # the start form: two collectives in flight at once, waited for in the other order
+                # the start form: two collectives in flight at once, waited for in the other order. Once, rank 1
+                # starts late: rank 0's starts must return before rank 1 joins, and its waits wait for it
+                late = not timed and group is None
+                if late and rank == 1:
+                    time.sleep(LATE_S)
+                began = time.perf_counter()
                 first = cast_all_gather_start(shard, dtype, group, world_size)
                 second = cast_all_gather_start(shard * 2, dtype, group, world_size)
-                assert second.wait() and first.wait()
+                started = time.perf_counter()
+                second.wait()
+                first.wait()
+                if late:
+                    timed = True
+                    if rank == 0:
+                        assert started - began < LATE_S / 2 <= time.perf_counter() - began, (started - began,
+                                                                                           time.perf_counter() - began)
                 assert torch.equal(_bits(first.flat), _bits(out_python)), (numel, name)
                 assert torch.equal(_bits(second.flat), _bits(cast_all_gather_python(shard * 2, dtype, group,
                                                                                       world_size))), (numel, name)
-            checked[f"{numel}/{name}"] = out_native.numel()
+            # what was gathered, as a checksum of its bytes: every rank must hold the same
+            checked[f"{numel}/{name}"] = (out_native.numel(), int(_bits(out_native).sum()))
     # dtype None keeps the shard's dtype; a timeout (in ms on the C++ side) is accepted
     import datetime
     out = native(shard, None, None, world_size, datetime.timedelta(seconds=30))
@@ -178,8 +194,16 @@ def test_builder_finds_sources_in_checkout() -> None:
     assert names[:2] == ["dsc_native.cpp", "cast_all_gather_cpu.cpp"]
     assert builder.include_paths() == [str(source_dir)]
     assert builder.absolute_name() == "deepspeed.compile.native.deepspeed_compile_native_op"
-    if not builder.with_cuda():  # CUDA sources and flags only where CUDA exists
-        assert "cast_all_gather_cuda.cpp" not in names and "-DDSC_WITH_CUDA" not in builder.cxx_args()
+    # CUDA sources and flags only where CUDA exists: both configurations, whatever this machine has
+    for with_cuda in (False, True):
+        class Builder(NativeOpBuilder):
+            def with_cuda(self) -> bool:
+                return with_cuda
+
+        configured = Builder()
+        cuda_names = [p.rsplit("/", 1)[-1] for p in configured.sources()]
+        assert ("cast_all_gather_cuda.cpp" in cuda_names) == with_cuda, (with_cuda, cuda_names)
+        assert ("-DDSC_WITH_CUDA" in configured.cxx_args()) == with_cuda, (with_cuda, configured.cxx_args())
 
 
 def test_load_native_modes_without_process_group(native_library: str) -> None:
@@ -209,8 +233,8 @@ def test_opcheck_two_ranks(native_library: str) -> None:
 
 def test_native_matches_python_bitwise(native_library: str) -> None:
     results = run_distributed(_rank_native_matches_python, list(DTYPES), PARAM_NUMELS)
-    assert results[0] == results[1]
-    assert results[0]["37/bf16"] == 38  # 37 padded to 2 shards of 19
+    assert results[0] == results[1] and len(results[0]) == len(PARAM_NUMELS) * len(DTYPES)
+    assert results[0]["37/bf16"][0] == 38  # 37 padded to 2 shards of 19
 
 
 def test_wrong_world_size_is_an_error(native_library: str) -> None:

@@ -108,6 +108,7 @@ def test_in_flight_bound_holds_on_the_12_block_gpt():
         assert r["peak_gathered_bytes"] <= r["planned_peak_gathered_bytes"] + r["padding"], r
         assert r["planned_peak_gathered_bytes"] <= 2 * r["peak_gathered_bytes"], r
         assert r["peak_gathered_bytes"] > 20000 * FP32 // 2, r  # runs are gathered whole, more than one parameter
+        assert r["peak_gathered_bytes"] > r["largest"], r  # more than the largest parameter alone
 
 
 def _rank_kept(budget: int) -> Dict:

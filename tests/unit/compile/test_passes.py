@@ -35,8 +35,9 @@ def test_alias_and_downcast_helpers():
     assert is_alias(split) and all(is_alias(u) for u in split.users if u.target is operator.getitem)
     casts = [n for n in gm.graph.nodes if downcast_dtype(n) is not None]
     assert {downcast_dtype(n) for n in casts} == {torch.bfloat16}
-    assert not any(downcast_dtype(n) for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default
-                   and n.args[1] == torch.float32)  # an upcast is not a downcast
+    ups = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default
+           and n.kwargs.get("dtype") == torch.float32]
+    assert ups and all(downcast_dtype(n) is None for n in ups)  # an upcast is not a downcast
     assert not any(is_alias(n) for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
 
 
