@@ -11,6 +11,8 @@ compiles for owns communication and buffers only.
 """
 import copy
 import functools
+import itertools
+import linecache
 import logging
 import time
 from dataclasses import dataclass, field
@@ -238,18 +240,50 @@ def boxed_eager(gm: GraphModule) -> Callable:
     and drops each input after its last use. Without this a backward graph keeps every saved activation alive
     until it returns (``make_boxed_func`` holds the list), where eager autograd frees them as it goes.
     Our ops are called as the plain functions behind them: nothing traces or differentiates this graph any more, so
-    the dispatcher's custom-op path (schema defaults, autograd wrapper, redispatch) would be pure overhead."""
+    the dispatcher's custom-op path (schema defaults, autograd wrapper, redispatch) would be pure overhead.
+    The code runs in a frame of its own on the heap (:func:`heap_frame_function`)."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in PLAIN_CALLS:
             node.target = PLAIN_CALLS[node.target]
     gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())  # torch's own codegen for this convention
     gm.recompile()
+    body = heap_frame_function(gm)
 
     def run(args: list):
-        return gm(args)
+        frame = body(gm, args)
+        try:
+            next(frame)
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("a graph's code yielded")
 
     run._boxed_call = True
     return run
+
+
+_graph_sources = itertools.count()
+
+
+def heap_frame_function(gm: GraphModule) -> Callable:
+    """The graph's generated ``forward``, made a generator function: called, it returns a generator whose one
+    ``next()`` runs the whole graph and raises ``StopIteration`` with its result.
+
+    Why: CPython (3.11 on) puts a plain call's frame on the thread's data stack, which grows in 16 KiB chunks mapped
+    and unmapped as calls need them. A graph's function has a local per node (12 KiB for the benchmark's Llama
+    backward), so where it leaves its chunk nearly full, every op it calls maps a fresh chunk and unmaps it on
+    return: a page fault and two system calls per op, about 1,300 a step there, depending only on how deep the stack
+    happened to be. A generator's frame lives in the generator object, so the graph's callees get the stack's room
+    below it. Source lines stay in tracebacks (registered with ``linecache``)."""
+    code = gm.graph.python_code(root_module="self")
+    lines = code.src.split("\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith("def forward("))
+    lines.insert(at + 1, "    if False: yield  # a generator: its frame is kept in the generator object")
+    source = "\n".join(lines)
+    name = f"<deepspeed-compile graph {next(_graph_sources)}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
+    namespace = dict(code.globals)
+    exec(compile(source, name, "exec"), namespace)
+    return namespace["forward"]
 
 
 def collective_order(gm: GraphModule) -> List[Tuple[str, int]]:

@@ -1,6 +1,7 @@
 """Unit tests of the graph passes on small traced graphs: no process group, no DeepSpeed engine."""
 import operator
 
+import pytest
 import torch
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -225,3 +226,46 @@ def test_untraced_twins_have_the_ops_schemas_and_reach_the_same_runtime():
     assert torch.equal(gathered, full.to(torch.bfloat16))
     assert runtime.ops() == [("gather", 7), ("release", 7), ("reduce", 7)]
     assert runtime.calls[1][2] == torch.bfloat16 and torch.equal(runtime.calls[2][2], grad)
+
+
+# ----- the eager backend's callable ---------------------------------------------------------------------------
+_callers: list = []
+
+
+def _record_caller(x):
+    """Called by a graph: records the code flags of the frame that called it (the graph's)."""
+    import sys
+    _callers.append(sys._getframe(1).f_code.co_flags)
+    return x
+
+
+def _fail(x):
+    raise ValueError("raised inside the graph")
+
+
+def _graph_calling(fn) -> GraphModule:
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    called = graph.call_function(fn, (graph.call_function(torch.ops.aten.mul.Tensor, (x, y)), ))
+    graph.output((graph.call_function(torch.ops.aten.add.Tensor, (called, x)), ))
+    return GraphModule(torch.nn.Module(), graph)
+
+
+def test_eager_backend_runs_a_graph_in_its_own_heap_frame():
+    """``boxed_eager``: the graph's result, its argument list cleared (the boxed convention), its code running as a
+    generator's frame (kept in the generator object, off the thread's data stack: ``heap_frame_function``), and an
+    error inside it raised as it is, its traceback showing the graph's source line."""
+    import inspect
+    import traceback
+    from deepspeed.compile.capture.compiler import boxed_eager
+    x, y = torch.randn(3), torch.randn(3)
+    run = boxed_eager(_graph_calling(_record_caller))
+    args = [x, y]
+    out = run(args)
+    assert args == [] and len(out) == 1 and torch.equal(out[0], x * y + x)
+    assert _callers and _callers[-1] & inspect.CO_GENERATOR, _callers
+    failing = boxed_eager(_graph_calling(_fail))
+    with pytest.raises(ValueError, match="raised inside the graph") as raised:
+        failing([x, y])
+    text = "".join(traceback.format_exception(raised.value))
+    assert "deepspeed-compile graph" in text and "_fail(" in text, text
