@@ -75,14 +75,13 @@ def _train_steps(engine, steps: int, after_backward=None):
     return losses, grad_norms
 
 
-def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool):
-    """Eager ZeRO-3, then DeepCompile, from the same initial model on the same batches."""
+def _eager_then_compiled(backend: str, bf16: bool, gradient_checkpointing: bool = False):
+    """Yields ``(deepcompile, engine)``: eager ZeRO-3, then DeepCompile (compiled with ``backend``), each on the same
+    initial tiny Llama; each engine is destroyed when the loop moves on."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
     from models import tiny_llama
     deepspeed.init_distributed(dist_backend="gloo")
     torch._dynamo.reset()
-    out = {}
     for deepcompile in (False, True):
         torch.manual_seed(0)
         model = tiny_llama()
@@ -92,8 +91,18 @@ def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                           config=_config(deepcompile, bf16))
         if deepcompile:
-            from deepspeed.compile.report import record_gathered_timeline
             engine.compile(backend=backend)
+        yield deepcompile, engine
+        engine.destroy()
+
+
+def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool):
+    """Eager ZeRO-3, then DeepCompile, from the same initial model on the same batches."""
+    from deepspeed.utils import safe_get_full_grad
+    out = {}
+    for deepcompile, engine in _eager_then_compiled(backend, bf16, gradient_checkpointing):
+        if deepcompile:
+            from deepspeed.compile.report import record_gathered_timeline
             record_gathered_timeline(engine)  # and the collectives issued, compared across ranks
         first_grads = {}
 
@@ -110,7 +119,6 @@ def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool):
             out["active"] = engine.is_deepcompile_active()
             out["report"] = engine_report(engine)
             out["issued"] = issued_collectives(engine)
-        engine.destroy()
     return out
 
 
@@ -192,19 +200,9 @@ def _packed_batch(step: int, rank: int):
 
 
 def _packed(steps, backend="eager", bf16=False):
-    import deepspeed
     import torch.distributed as dist
-    from models import tiny_llama
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch._dynamo.reset()
     out = {}
-    for deepcompile in (False, True):
-        torch.manual_seed(0)
-        model = tiny_llama()
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                          config=_config(deepcompile, bf16=bf16))
-        if deepcompile:
-            engine.compile(backend=backend)
+    for deepcompile, engine in _eager_then_compiled(backend, bf16):
         losses, grad_norms, graphs = [], [], []
         for step in range(steps):
             ids, position_ids, labels = _packed_batch(step, dist.get_rank())
@@ -221,7 +219,6 @@ def _packed(steps, backend="eager", bf16=False):
             from deepspeed.compile.report import engine_report
             out["active"] = engine.is_deepcompile_active()
             out["report"] = engine_report(engine)
-        engine.destroy()
     return out
 
 
