@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 
 from deepspeed.utils import logger
 
+from .capture import ds_checkpointing
 from .config import CompileConfig, unimplemented_options
 
 if TYPE_CHECKING:
@@ -185,6 +186,13 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         deactivate(engine, uncompile=True)
 
     compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config)
+    ds_checkpointing.install()
+    ignored = ds_checkpointing.unsupported_settings(engine._config)
+    if ignored:
+        logger.warning(f"deepspeed-compile: activation_checkpointing settings not followed in compiled graphs: "
+                       f"{', '.join(ignored)} (DeepSpeed's checkpoint functions are compiled as "
+                       "torch.utils.checkpoint, which recomputes the same ops but keeps the checkpointed inputs whole "
+                       "on the device)")
     blocks = compile_config.regions == "blocks"
     _prepare_module_compile(engine, wrap_direct_calls=stage == 3, drop_fullgraph=blocks)
     if blocks:
@@ -359,7 +367,7 @@ def forward_context(engine) -> Iterator[None]:
     if state.stage == 3:
         from .capture import eager_hooks
         eager_hooks.drop_reregistered(engine)
-    with state.runtime.forward_context():
+    with state.runtime.forward_context(), ds_checkpointing.deepcompile_forward():
         yield None
 
 

@@ -70,6 +70,26 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+class CheckpointedGPT(TinyGPT):
+    """TinyGPT with each block under DeepSpeed's activation checkpointing (``deepspeed.checkpointing.checkpoint``, as
+    Megatron-DeepSpeed models call it), which DeepSpeed hides from dynamo."""
+    checkpoint_function = "checkpoint"
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        import deepspeed
+        checkpoint = getattr(deepspeed.checkpointing, self.checkpoint_function)
+        x = self.tok(idx) + self.pos[:idx.shape[1]]
+        for block in self.blocks:
+            x = checkpoint(block, x)
+        logits = F.linear(self.ln(x), self.tok.weight)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class NonReentrantCheckpointedGPT(CheckpointedGPT):
+    """The same with ``deepspeed.checkpointing.non_reentrant_checkpoint``."""
+    checkpoint_function = "non_reentrant_checkpoint"
+
+
 class PartlyFrozen(nn.Module):
     """A frozen embedding and a frozen layer in front of trained ones."""
 
@@ -169,8 +189,8 @@ class RoutedMoE(nn.Module):
         return F.mse_loss(self.head(self.moe(self.inp(x))), y)
 
 
-MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP, "buffers": WithBuffers,
-          "moe": RoutedMoE, "dropout": DropoutMLP}
+MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "gpt_checkpointed": CheckpointedGPT,
+          "gpt_checkpointed_non_reentrant": NonReentrantCheckpointedGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP, "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
@@ -184,7 +204,7 @@ def make_batch(name: str, step: int, rank: int, batch: int = 4):
     if name in ("mlp", "branchy", "moe", "dropout"):
         x = torch.randn(batch, 16, generator=g)
         return x, 0.5 * torch.roll(x, 1, dims=-1)
-    if name == "gpt":
+    if name in ("gpt", "gpt_checkpointed", "gpt_checkpointed_non_reentrant"):
         idx = torch.randint(0, 97, (batch, 16), generator=g)
         # targets are the inputs: the tied embedding learns to copy within a few steps (the benchmark's fixed
         # permutation takes far longer at this size; a roll to the next token is unlearnable for a causal model)

@@ -93,6 +93,25 @@ def test_zeropp_options_deepcompile_does_not_apply_are_named():
     assert unapplied_zeropp_options(zero) == []
 
 
+def test_activation_checkpointing_settings_a_compiled_checkpoint_does_not_follow_are_named():
+    """DeepSpeed's checkpoint functions are compiled as torch's (``capture/ds_checkpointing.py``): host offload and
+    partitioning of the checkpointed inputs are named in the warning ``engine.compile()`` logs; recomputation-only
+    settings are not."""
+    from types import SimpleNamespace
+    from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
+    from deepspeed.compile.capture.ds_checkpointing import unsupported_settings
+
+    def named(section):
+        config = DeepSpeedActivationCheckpointingConfig({"activation_checkpointing": section})
+        return unsupported_settings(SimpleNamespace(activation_checkpointing_config=config))
+
+    assert named({}) == []
+    assert named({"synchronize_checkpoint_boundary": True, "number_checkpoints": 4}) == []
+    assert named({"cpu_checkpointing": True}) == ["cpu_checkpointing"]
+    assert named({"partition_activations": True, "cpu_checkpointing": True}) == ["cpu_checkpointing",
+                                                                                 "partition_activations"]
+
+
 def test_regions_blocks_is_refused_where_it_cannot_serve():
     from deepspeed.compile.capture import regions
     from models import make_model

@@ -195,6 +195,23 @@ def test_inductor_trains_a_model_with_dropout():
         assert default["evals"][-1] == default["evals"][-2]  # no dropout in evaluation
 
 
+def _checkpointed_pair():
+    from compare import run_pair
+    return run_pair("gpt_checkpointed", 3, backend="inductor", optimizer="sgd", grad_steps=1)
+
+
+def test_inductor_compiles_deepspeed_activation_checkpointing():
+    """``deepspeed.checkpointing.checkpoint`` around each block (test_parity_usage.py has the eager backend): inductor
+    compiles the blocks too, gathering their parameters in the graph (none on access), and matches eager ZeRO-3,
+    which runs DeepSpeed's own function, within FP32_TOL."""
+    from compare import assert_ran_compiled
+    for r in run_distributed(_checkpointed_pair, timeout_s=400):
+        assert_ran_compiled(r)
+        assert r["counters"]["eager_gathers"] == 0, r["counters"]
+        assert "blocks.1.up.weight" in r["gathered_params"], r["gathered_params"]
+        print(check_fp32_close(r))
+
+
 def _one_process(steps, aot_cache=True):
     """One training process: the inductor engine, with what its stats say about compiling and torch's cache."""
     import time

@@ -1,0 +1,75 @@
+"""DeepSpeed's activation checkpointing, compiled inside DeepCompile's graphs.
+
+DeepSpeed wraps ``deepspeed.checkpointing.checkpoint`` in ``torch._disable_dynamo`` (a workaround for eager ZeRO-3's
+module hooks under plain ``torch.compile``), so dynamo never traces the function it checkpoints. Under DeepCompile every
+block a model checkpoints that way ran eagerly: its parameters were gathered on access one at a time, blocking, and
+held until backward ended, so at ZeRO-3 the whole model was gathered at once where eager ZeRO-3 holds one module.
+
+Inside a DeepCompile forward, dynamo now traces the call as torch's checkpoint
+(``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, by ``torch._dynamo.substitute_in_graph``): the
+checkpointed ops are tagged for recomputation in the joint graph, which min-cut honours, so backward recomputes them as
+DeepSpeed's function would, and the graph gathers and releases their parameters like any others. DeepSpeed's
+``non_reentrant_checkpoint`` is traced the same way. Outside a DeepCompile forward (plain ``torch.compile``, another
+engine) the substitute calls DeepSpeed's own function, uncompiled, as before.
+
+What DeepSpeed's function does beyond recomputation is not reproduced in a compiled graph: ``cpu_checkpointing`` (the
+checkpointed inputs moved to the host) and ``partition_activations`` (split across model-parallel ranks) keep the
+inputs whole on the device; the engine warns when either is set.
+"""
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+_forwards = 0  # DeepCompile forwards running now; dynamo reads this (and guards on it) when it traces a substitute
+_installed = False
+
+
+@contextmanager
+def deepcompile_forward() -> Iterator[None]:
+    """Around one DeepCompile forward: DeepSpeed's checkpoint functions called in it are traced as torch's."""
+    global _forwards
+    _forwards += 1
+    try:
+        yield
+    finally:
+        _forwards -= 1
+
+
+def _as_deepspeed_returns(outputs):
+    """DeepSpeed's checkpoint functions return a lone output by itself and several as a tuple, whatever container
+    the checkpointed function returned them in."""
+    if torch.is_tensor(outputs):
+        return outputs
+    outputs = tuple(outputs)
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _substitute(original: Callable) -> None:
+    @torch._disable_dynamo
+    def run_deepspeeds(function, *args, **kwargs):
+        return original(function, *args, **kwargs)
+
+    @torch._dynamo.substitute_in_graph(original, skip_signature_check=True)
+    def traced(function, *args, **kwargs):
+        if not _forwards:  # not a DeepCompile forward: DeepSpeed's own function, run eagerly as before
+            return run_deepspeeds(function, *args, **kwargs)
+        return _as_deepspeed_returns(torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                                                       **kwargs))
+
+
+def install() -> None:
+    """Register the substitutes with dynamo, once per process (before the first DeepCompile forward is traced)."""
+    global _installed
+    if _installed:
+        return
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+    _substitute(checkpointing.checkpoint)
+    _substitute(checkpointing.non_reentrant_checkpoint)
+    _installed = True
+
+
+def unsupported_settings(ds_config) -> list:
+    """The ``activation_checkpointing`` settings a compiled checkpoint does not follow (see the module docstring)."""
+    settings = getattr(ds_config, "activation_checkpointing_config", None)
+    return [name for name in ("cpu_checkpointing", "partition_activations") if getattr(settings, name, False)]
