@@ -1,4 +1,5 @@
 """The drop-in module: import precedence, the engine contract, config validation, fallbacks, the harness."""
+import contextlib
 import math
 import os
 import subprocess
@@ -110,6 +111,35 @@ def test_activation_checkpointing_settings_a_compiled_checkpoint_does_not_follow
     assert named({"cpu_checkpointing": True}) == ["cpu_checkpointing"]
     assert named({"partition_activations": True, "cpu_checkpointing": True}) == ["cpu_checkpointing",
                                                                                  "partition_activations"]
+
+
+def test_deepspeed_checkpoint_is_traced_only_inside_a_deepcompile_forward():
+    """The substitute for ``deepspeed.checkpointing.checkpoint`` traces torch's checkpoint only while a DeepCompile
+    forward runs; anywhere else (plain ``torch.compile``) dynamo breaks the graph there and DeepSpeed's own function
+    runs eagerly, as without DeepCompile. Both give the eager result."""
+    import deepspeed
+    import torch._dynamo.testing
+    from torch._dynamo.utils import counters
+    from deepspeed.compile.capture import ds_checkpointing
+    ds_checkpointing.install()
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 4)
+
+    def f(x):
+        return deepspeed.checkpointing.checkpoint(lambda t: torch.relu(linear(t)), x).sum()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    seen = {}
+    for inside in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        graphs = torch._dynamo.testing.CompileCounter()
+        with ds_checkpointing.deepcompile_forward() if inside else contextlib.nullcontext():
+            out = torch.compile(f, backend=graphs)(x)
+        seen[inside] = (out.item(), graphs.op_count, sum(counters["graph_break"].values()))
+    expected = f(x).item()
+    assert seen[False][0] == expected and seen[False][1] == 1 and seen[False][2] >= 1, seen  # only the sum compiled
+    assert seen[True][0] == expected and seen[True][1] > 1 and seen[True][2] == 0, seen  # the checkpoint in the graph
 
 
 def test_regions_blocks_is_refused_where_it_cannot_serve():
