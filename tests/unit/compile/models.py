@@ -90,6 +90,29 @@ class NonReentrantCheckpointedGPT(CheckpointedGPT):
     checkpoint_function = "non_reentrant_checkpoint"
 
 
+class MegatronStyleCheckpointedGPT(TinyGPT):
+    """Checkpointing as Megatron-DeepSpeed calls it: one ``deepspeed.checkpointing.checkpoint`` over a range of blocks
+    (a closure), with non-tensor arguments (a flag, ``None``), dropout inside (the recomputation must draw the same
+    masks) and several outputs, one of them ``None``."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        import deepspeed
+
+        def blocks(start: int, end: int):
+            def run(x, scale, scaled, nothing):
+                for block in self.blocks[start:end]:
+                    x = F.dropout(block(x * scale if scaled else x), 0.1, training=True)
+                return x, None, x.mean()
+            return run
+
+        x = self.tok(idx) + self.pos[:idx.shape[1]]
+        x, nothing, mean = deepspeed.checkpointing.checkpoint(blocks(0, len(self.blocks)), x,
+                                                               torch.full((idx.shape[1], 1), 0.5), True, None)
+        assert nothing is None
+        logits = F.linear(self.ln(x), self.tok.weight)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)) + 0.0 * mean
+
+
 class PartlyFrozen(nn.Module):
     """A frozen embedding and a frozen layer in front of trained ones."""
 
@@ -190,7 +213,8 @@ class RoutedMoE(nn.Module):
 
 
 MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "gpt_checkpointed": CheckpointedGPT,
-          "gpt_checkpointed_non_reentrant": NonReentrantCheckpointedGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP, "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP}
+          "gpt_checkpointed_non_reentrant": NonReentrantCheckpointedGPT,
+          "gpt_checkpointed_megatron": MegatronStyleCheckpointedGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP, "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
@@ -204,7 +228,7 @@ def make_batch(name: str, step: int, rank: int, batch: int = 4):
     if name in ("mlp", "branchy", "moe", "dropout"):
         x = torch.randn(batch, 16, generator=g)
         return x, 0.5 * torch.roll(x, 1, dims=-1)
-    if name in ("gpt", "gpt_checkpointed", "gpt_checkpointed_non_reentrant"):
+    if name.startswith("gpt"):
         idx = torch.randint(0, 97, (batch, 16), generator=g)
         # targets are the inputs: the tied embedding learns to copy within a few steps (the benchmark's fixed
         # permutation takes far longer at this size; a roll to the next token is unlearnable for a causal model)

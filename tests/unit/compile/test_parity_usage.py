@@ -261,6 +261,7 @@ def _deepspeed_checkpointing_runs():
                      **run_compiled("gpt_checkpointed_non_reentrant", 3, grad_steps=2)}
     return {"checkpointed": checkpointed, "plain": plain, "non_reentrant": non_reentrant,
             "zero2": run_pair("gpt_checkpointed", 3, stage=2, grad_steps=2),
+            "megatron": run_pair("gpt_checkpointed_megatron", 3, grad_steps=2),
             "warnings": [m for m in warnings.messages if "deepspeed-compile" in m]}
 
 
@@ -270,8 +271,9 @@ def test_deepspeed_activation_checkpointing_is_compiled_and_matches_eager_zero3(
     DeepCompile forward (``capture/ds_checkpointing.py``), the blocks are compiled, their parameters gathered by the
     graph, and their activations recomputed in backward (the graph saves less than the same model's without
     checkpointing). Eager ZeRO-3 runs DeepSpeed's own function: bitwise the same arithmetic. The same at ZeRO-2,
-    where the blocks' gradients came from eager code before, and with ``non_reentrant_checkpoint``, which eager
-    ZeRO-3 cannot run."""
+    where the blocks' gradients came from eager code before; for a checkpoint called as Megatron-DeepSpeed calls it
+    (several blocks in one closure, non-tensor arguments, dropout inside, several outputs); and with
+    ``non_reentrant_checkpoint``, which eager ZeRO-3 cannot run."""
     from compare import assert_bitwise_equal, assert_ran_compiled
     for r in run_distributed(_deepspeed_checkpointing_runs):
         checkpointed, plain = r["checkpointed"], r["plain"]
@@ -286,6 +288,9 @@ def test_deepspeed_activation_checkpointing_is_compiled_and_matches_eager_zero3(
             checkpointed["saved"], plain["saved"])
         assert_ran_compiled(r["zero2"])  # no gradient from eager code
         assert_bitwise_equal(r["zero2"])
+        assert_ran_compiled(r["megatron"])
+        assert r["megatron"]["counters"]["eager_gathers"] == 0
+        assert_bitwise_equal(r["megatron"])
         assert_ran_compiled(r["non_reentrant"])
         assert r["non_reentrant"]["counters"]["eager_gathers"] == 0
         assert_bitwise_equal(r["non_reentrant"])
