@@ -214,7 +214,8 @@ class RoutedMoE(nn.Module):
 
 MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "gpt_checkpointed": CheckpointedGPT,
           "gpt_checkpointed_non_reentrant": NonReentrantCheckpointedGPT,
-          "gpt_checkpointed_megatron": MegatronStyleCheckpointedGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP, "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP}
+          "gpt_checkpointed_megatron": MegatronStyleCheckpointedGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP,
+          "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
