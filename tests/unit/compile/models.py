@@ -63,14 +63,11 @@ class TinyGPT(nn.Module):
         nn.init.normal_(self.tok.weight, std=0.02)  # tied output head: unit-variance rows would give huge logits
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.run_blocks(self.tok(idx) + self.pos[:idx.shape[1]])
-        logits = F.linear(self.ln(x), self.tok.weight)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[:idx.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return x
+        logits = F.linear(self.ln(x), self.tok.weight)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 class CheckpointedGPT(TinyGPT):
@@ -78,12 +75,14 @@ class CheckpointedGPT(TinyGPT):
     Megatron-DeepSpeed models call it), which DeepSpeed hides from dynamo."""
     checkpoint_function = "checkpoint"
 
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         import deepspeed
         checkpoint = getattr(deepspeed.checkpointing, self.checkpoint_function)
+        x = self.tok(idx) + self.pos[:idx.shape[1]]
         for block in self.blocks:
             x = checkpoint(block, x)
-        return x
+        logits = F.linear(self.ln(x), self.tok.weight)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 class NonReentrantCheckpointedGPT(CheckpointedGPT):
@@ -96,7 +95,7 @@ class MegatronStyleCheckpointedGPT(TinyGPT):
     (a closure), with non-tensor arguments (a flag, ``None``), dropout inside (the recomputation must draw the same
     masks) and several outputs, one of them ``None``."""
 
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         import deepspeed
 
         def blocks(start: int, end: int):
@@ -106,10 +105,12 @@ class MegatronStyleCheckpointedGPT(TinyGPT):
                 return x, None, x.mean()
             return run
 
+        x = self.tok(idx) + self.pos[:idx.shape[1]]
         x, nothing, mean = deepspeed.checkpointing.checkpoint(blocks(0, len(self.blocks)), x,
-                                                               torch.full((x.shape[1], 1), 0.5), True, None)
+                                                               torch.full((idx.shape[1], 1), 0.5), True, None)
         assert nothing is None
-        return x + 0.0 * mean
+        logits = F.linear(self.ln(x), self.tok.weight)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)) + 0.0 * mean
 
 
 class PartlyFrozen(nn.Module):
