@@ -224,6 +224,7 @@ class GraphCompiler:
         # from that read until backward ends, so the handle arrives with the gathered tensor's strides, not the
         # stand-in's it was traced with; inductor's input asserts would reject it. Nothing in the graph reads it.
         handles = is_backward and any(is_reduce(n) and n.args[3] is not None for n in gm.graph.nodes)
+        rewrite.defer_reduces_pass(gm)  # a reduce where its gradient is produced would split fused kernels
         rewrite.chain_collectives_pass(gm)  # inductor may not reorder our collectives (shape-dependent rules)
         for node in gm.graph.nodes:  # our ops without the layers tracing needed: called past them from here on
             if node.op == "call_function" and node.target in UNTRACED_CALLS:

@@ -70,7 +70,19 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-class CheckpointedGPT(TinyGPT):
+class _CheckpointingGPT(TinyGPT):
+    """TinyGPT's embedding and output head, for the variants that run the blocks their own way (TinyGPT's forward
+    stays as it is: other tests replace parts of it)."""
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos[:idx.shape[1]]
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.ln(x), self.tok.weight)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class CheckpointedGPT(_CheckpointingGPT):
     """TinyGPT with each block under DeepSpeed's activation checkpointing (``deepspeed.checkpointing.checkpoint``, as
     Megatron-DeepSpeed models call it), which DeepSpeed hides from dynamo."""
     checkpoint_function = "checkpoint"
@@ -78,11 +90,10 @@ class CheckpointedGPT(TinyGPT):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         import deepspeed
         checkpoint = getattr(deepspeed.checkpointing, self.checkpoint_function)
-        x = self.tok(idx) + self.pos[:idx.shape[1]]
+        x = self.embed(idx)
         for block in self.blocks:
             x = checkpoint(block, x)
-        logits = F.linear(self.ln(x), self.tok.weight)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        return self.loss(x, targets)
 
 
 class NonReentrantCheckpointedGPT(CheckpointedGPT):
@@ -90,7 +101,7 @@ class NonReentrantCheckpointedGPT(CheckpointedGPT):
     checkpoint_function = "non_reentrant_checkpoint"
 
 
-class MegatronStyleCheckpointedGPT(TinyGPT):
+class MegatronStyleCheckpointedGPT(_CheckpointingGPT):
     """Checkpointing as Megatron-DeepSpeed calls it: one ``deepspeed.checkpointing.checkpoint`` over a range of blocks
     (a closure), with non-tensor arguments (a flag, ``None``), dropout inside (the recomputation must draw the same
     masks) and several outputs, one of them ``None``."""
@@ -105,12 +116,10 @@ class MegatronStyleCheckpointedGPT(TinyGPT):
                 return x, None, x.mean()
             return run
 
-        x = self.tok(idx) + self.pos[:idx.shape[1]]
-        x, nothing, mean = deepspeed.checkpointing.checkpoint(blocks(0, len(self.blocks)), x,
+        x, nothing, mean = deepspeed.checkpointing.checkpoint(blocks(0, len(self.blocks)), self.embed(idx),
                                                                torch.full((idx.shape[1], 1), 0.5), True, None)
         assert nothing is None
-        logits = F.linear(self.ln(x), self.tok.weight)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)) + 0.0 * mean
+        return self.loss(x, targets) + 0.0 * mean
 
 
 class PartlyFrozen(nn.Module):

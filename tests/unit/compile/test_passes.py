@@ -14,7 +14,7 @@ from deepspeed.compile.graph.nodes import META_DS_ID, downcast_dtype, is_alias, 
 from deepspeed.compile.graph.recompute import RECOMPUTE, choose_kept_by_reuse, reuse_distances, tag_param_aliases_pass
 from deepspeed.compile.graph.saved import saved_for_backward
 from deepspeed.compile.runtime.ops import GATHER, REDUCE, RELEASE
-from graphs import FakeRuntime, trace
+from graphs import FakeRuntime, clone, trace
 
 
 def _qkv_graph() -> GraphModule:
@@ -126,6 +126,52 @@ def test_chain_collectives_makes_the_graph_order_of_gathers_and_reduces_data_dep
     assert collectives[0].args[4] == []  # the first waits for nothing
     rewrite.chain_collectives_pass(gm)  # idempotent
     assert [len(n.args[4]) for n in collectives] == [0, 1, 1]
+
+
+def test_defer_reduces_moves_each_reduce_past_fusible_code_only():
+    """A norm-like backward: the weight's gradient (a sum over the rows) comes out before the pointwise ops of the
+    input's gradient. Deferred, its reduce sits just before the matmul after them. A reduce stops before a gather
+    and before a reader of its gradient; the reduces keep their order, the results are the same."""
+    runtime = FakeRuntime({5: torch.randn(4, 4)})
+
+    def bw(grad_out, normed, w, m, standin):
+        gw = (grad_out * normed).sum(0)  # the weight's gradient
+        gx = grad_out * w * 2.0  # the input's gradient, fusible with the sum
+        g_m = gx.t() @ m  # a matmul: a kernel of its own under inductor
+        gathered = GATHER(standin, runtime.id, 5, None, [], "")
+        g_b = g_m.sum(1)
+        z = gx * 3.0
+        return gw, g_m, g_b, g_b.sum() + z.sum() + (gx @ gathered).sum()
+
+    args = (torch.randn(3, 4), torch.randn(3, 4), torch.randn(4), torch.randn(3, 4), torch.randn(4, 4))
+    gm = make_fx(bw)(*args)
+    gm = rewrite.insert_reduces_pass(gm, runtime_id=runtime.id, grad_ds_ids=[11, 12, 13, None])
+    reference = clone(gm)
+    gm = rewrite.defer_reduces_pass(gm)
+    nodes = list(gm.graph.nodes)
+    reduces = [n for n in nodes if n.target is REDUCE]
+    assert [r.args[2] for r in reduces] == [11, 12, 13]
+    following = {r.args[2]: nodes[nodes.index(r) + 1] for r in reduces}
+    mm = torch.ops.aten.mm.default
+    assert following[11].target is mm  # past the input gradient's pointwise ops
+    grad_out = nodes[0]
+    assert nodes.index(reduces[0]) > max(nodes.index(n) for n in grad_out.users)
+    assert following[12].target is GATHER
+    assert reduces[2].args[0] in following[13].all_input_nodes  # the sum that reads its gradient
+    assert nodes.index(reduces[2]) > nodes.index(reduces[2].args[0]) + 1  # moved past ``z``
+    results = []
+    for graph in (reference, gm):
+        graph.recompile()
+        runtime.calls.clear()
+        out = graph(*args)
+        results.append((out, [(c[0], c[1], c[2]) for c in runtime.calls]))
+    (out_ref, calls_ref), (out_new, calls_new) = results
+    assert torch.equal(out_ref[3], out_new[3]) and out_new[:3] == (None, None, None)
+    assert [c[:2] for c in calls_new] == [c[:2] for c in calls_ref] == [("reduce", 11), ("reduce", 12),
+                                                                        ("gather", 5), ("reduce", 13)]
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(calls_ref, calls_new) if a[0] == "reduce")
+    rewrite.defer_reduces_pass(gm)  # idempotent
+    assert [n.name for n in gm.graph.nodes] == [n.name for n in nodes]
 
 
 def test_saved_for_backward_splits_parameter_derived_bytes():
