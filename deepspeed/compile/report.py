@@ -51,6 +51,8 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
             "gathers": c.gathers,
             "allgather_collectives": c.allgather_collectives,
             "eager_gathers": c.eager_gathers,
+            # why dynamo ran code that reads parameters eagerly (its graph breaks), as the warnings named them
+            "eager_reasons": list(runtime.eager.reported),
             "live_gathered_bytes": c.live_gathered_bytes,
             "peak_gathered_bytes": c.peak_gathered_bytes,
             "planned_peak_gathered_bytes": state.stats.planned_peak_gathered_bytes,

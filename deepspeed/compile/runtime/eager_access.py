@@ -42,10 +42,18 @@ def active() -> Optional["EagerAccess"]:
 
 
 def _dynamo_reasons() -> list:
-    """Why dynamo did not compile something: the messages of its graph breaks and skipped frames so far."""
+    """Why dynamo did not compile something: the messages of its graph breaks and skipped frames so far, each its
+    first line and, where dynamo gave one, its debug context (what it was tracing: "Attempted to mutate ...")."""
     from torch._dynamo.utils import counters
-    lines = (msg.splitlines()[0][:300] for category in ("graph_break", "unimplemented") for msg in counters.get(category, {}))
-    return list(dict.fromkeys(line for line in lines if line))
+    reasons = (_reason(msg) for category in ("graph_break", "unimplemented") for msg in counters.get(category, {}))
+    return list(dict.fromkeys(reason for reason in reasons if reason))
+
+
+def _reason(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines()]
+    context = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Developer debug context:")), "")
+    head = lines[0][:300] if lines else ""
+    return f"{head} ({context[:300]})" if head and context else head
 
 
 def keep_getter_eager() -> None:
@@ -74,7 +82,7 @@ class EagerAccess:
         self._on_use = on_use  # a gradient for the parameter may come from this use
         self.gathered: Dict[int, Parameter] = {}
         self._hooks = []
-        self._reported = set()  # dynamo's reasons already named in a warning
+        self.reported: List[str] = []  # dynamo's reasons named in a warning so far, in order (engine_report)
         self.outside = False  # the forward running now is a submodule called outside any forward (runtime/z3.py)
         self._warned_reuse = False
         self._leaf_modules: Dict[int, List[Parameter]] = {}  # id(leaf module) -> its parameters, entered this step
@@ -88,9 +96,9 @@ class EagerAccess:
         self._enter_leaf(param)
         if self.outside:
             return  # a submodule called outside the forward runs uncompiled by design, as in eager ZeRO-3
-        reasons = [r for r in _dynamo_reasons() if r not in self._reported]
-        if reasons or not self._reported:
-            self._reported.update(reasons or ["(no reason recorded by dynamo)"])
+        reasons = [r for r in _dynamo_reasons() if r not in self.reported]
+        if reasons or not self.reported:
+            self.reported.extend(reasons or ["(no reason recorded by dynamo)"])
             why = "; ".join(reasons) or "dynamo recorded no reason"
             log.warning("deepspeed-compile: parameter %s is read by code outside the compiled graphs (dynamo ran it "
                         "eagerly; dynamo's reason: %s). It is gathered on access and released after backward: "

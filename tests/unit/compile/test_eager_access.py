@@ -8,6 +8,7 @@ final parameters are compared for equality, not within a tolerance. Inductor fus
 """
 from distributed import run_distributed
 from deepspeed.compile.engine_state import runtime_of, state_of  # noqa: E402
+from deepspeed.compile.report import engine_report  # noqa: E402
 
 LR = 1e-3
 
@@ -53,6 +54,7 @@ def _pair(name, steps, seq_of_step, backend="eager", compile_kwargs=None, dynamo
     from compare import full_params
     deepspeed.init_distributed(dist_backend="gloo")
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # dynamo's graph breaks, as the runtime's warnings read them: this model's
     out = {}
     sgd = backend == "inductor"
     eager = _initialize(name, None, sgd)
@@ -78,6 +80,7 @@ def _pair(name, steps, seq_of_step, backend="eager", compile_kwargs=None, dynamo
     out["graphs"] = state_of(engine, active_only=False).stats.graphs_compiled
     out["compiled"] = len(state_of(engine, active_only=False).stats.collective_orders)
     out["eager_gathers"] = runtime.counters.eager_gathers
+    out["eager_reasons"] = engine_report(engine)["eager_reasons"]
     out["gathers"] = runtime.counters.gathers  # by the compiled graphs
     out["live_after_step"] = live
     engine.destroy()
@@ -106,6 +109,11 @@ def _eager_pieces(steps):
     return {name: _pair(name, steps, _fixed) for name in ("gpt2_hooks", "loop_break", "disabled", "item_branch")}
 
 
+# what each model's graph break makes dynamo say (gpt2_hooks: reasons in transformers' code, any)
+EAGER_REASONS = {"loop_break": "torch._dynamo.graph_break()", "disabled": "torch.compiler.disable()",
+                 "item_branch": "Tensor.item()"}
+
+
 def test_eagerly_run_code_reads_real_parameters():
     """Frames dynamo skips, graph breaks in a loop, a disabled submodule and an .item() branch: exact parity,
     and the parameters those parts read were gathered on access (not computed as stand-ins)."""
@@ -119,6 +127,9 @@ def test_eagerly_run_code_reads_real_parameters():
             # frame runs as Python and reads the embedding and the final norm there (measured 18 eager gathers in 6
             # steps, as loop_break)
             assert r["eager_gathers"] > 0, (name, r["eager_gathers"])
+            # engine_report names dynamo's reason, as the warning did (the model's own break among them)
+            assert r["eager_reasons"] and any(EAGER_REASONS.get(name, "") in reason for reason in r["eager_reasons"]), (
+                name, r["eager_reasons"])
 
 
 def _varlen_runs(steps):
