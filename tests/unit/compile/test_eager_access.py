@@ -54,7 +54,7 @@ def _pair(name, steps, seq_of_step, backend="eager", compile_kwargs=None, dynamo
     from compare import full_params
     deepspeed.init_distributed(dist_backend="gloo")
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # dynamo's graph breaks, as the runtime's warnings read them: this model's
+    torch._dynamo.utils.counters.clear()  # the graph breaks the runtime's warnings name: this model's only
     out = {}
     sgd = backend == "inductor"
     eager = _initialize(name, None, sgd)
