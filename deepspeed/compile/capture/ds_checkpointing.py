@@ -15,6 +15,15 @@ engine) the substitute calls DeepSpeed's own function, uncompiled, as before.
 What DeepSpeed's function does beyond recomputation is not reproduced in a compiled graph: ``cpu_checkpointing`` (the
 checkpointed inputs moved to the host) and ``partition_activations`` (split across model-parallel ranks) keep the
 inputs whole on the device; the engine warns when either is set.
+
+Any checkpointed region (torch's, Hugging Face's gradient checkpointing, DeepSpeed's traced as torch's) may mutate
+Python state around its computation. Eager checkpointing runs that Python again when backward recomputes the
+region; a compiled graph recomputes only tensor ops. Dynamo's default refuses such a region (a graph break: the
+region and its parameters run eagerly, gathered on access). Inside a DeepCompile forward it is traced instead, its
+Python side effects applied once, in forward (``skip_fwd_side_effects_in_bwd_under_checkpoint``). That is what
+``transformers`` >= 5.25 needs: with the ``kernels`` package it requires, every attention layer sets and resets a
+module-level context variable around its forward (``use_kernelized_func``), so under gradient checkpointing each
+decoder layer broke the graph and ran uncompiled. A set-and-reset leaves nothing to replay.
 """
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -27,11 +36,13 @@ _installed = False
 
 @contextmanager
 def deepcompile_forward() -> Iterator[None]:
-    """Around one DeepCompile forward: DeepSpeed's checkpoint functions called in it are traced as torch's."""
+    """Around one DeepCompile forward: DeepSpeed's checkpoint functions called in it are traced as torch's, and a
+    checkpointed region's Python side effects are applied once, in forward (see the module docstring)."""
     global _forwards
     _forwards += 1
     try:
-        yield
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            yield
     finally:
         _forwards -= 1
 
