@@ -148,6 +148,10 @@ def _eager_backend_cases(steps):
 
 
 def test_eager_backend_fp32_with_and_without_gradient_checkpointing():
+    """With Hugging Face gradient checkpointing, every decoder layer is a checkpointed region whose attention sets and
+    resets a module-level variable (``transformers`` 5.25 with ``kernels``): without DeepCompile tracing that side
+    effect (``capture/ds_checkpointing.py``), dynamo broke the graph at each layer and the layers ran eagerly (10
+    graphs, 56 parameters gathered on access, no run started ahead), which the collective check catches."""
     steps = 4
     results = run_distributed(_eager_backend_cases, steps, timeout_s=400)
     for case in results[0]:
