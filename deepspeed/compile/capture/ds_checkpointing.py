@@ -18,8 +18,9 @@ inputs whole on the device; the engine warns when either is set.
 
 Any checkpointed region (torch's, Hugging Face's gradient checkpointing, DeepSpeed's traced as torch's) may mutate
 Python state around its computation. Eager checkpointing runs that Python again when backward recomputes the
-region; a compiled graph recomputes only tensor ops. Dynamo's default refuses such a region (a graph break: the
-region and its parameters run eagerly, gathered on access). Inside a DeepCompile forward it is traced instead, its
+region; a compiled graph recomputes only tensor ops. By default dynamo may refuse such a region (a graph break: the
+region and its parameters run eagerly, gathered on access); it does not refuse every mutation (a toy region setting
+and resetting a global holder compiled), but it refused transformers'. Inside a DeepCompile forward it is traced instead, its
 Python side effects applied once, in forward (``skip_fwd_side_effects_in_bwd_under_checkpoint``). That is what
 ``transformers`` >= 5.25 needs: with the ``kernels`` package it requires, every attention layer sets and resets a
 module-level context variable around its forward (``use_kernelized_func``), so under gradient checkpointing each
