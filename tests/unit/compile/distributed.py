@@ -55,7 +55,15 @@ class RankTimeout(AssertionError):
 # imported once by the fork server, so that no rank imports them again; nothing here starts a thread or touches
 # torch.distributed (forking a process with threads is not safe). A module that fails to import is skipped.
 PRELOAD = ["checkout", "torch", "torch.distributed", "deepspeed", "deepspeed.compile", "transformers",
-           "models", "training", "compare"]
+           "models", "training", "compare",
+           # imported lazily, by every rank that compiles or builds a model, at 5 s a rank in all (measured): dynamo
+           # and inductor (on the first compile; DeepSpeed's ZeRO optimizers import dynamo too), sympy's units
+           # (sympy's simplify, on inductor's first C++ kernel), the test models' transformers modules
+           "torch._dynamo", "torch._inductor.compile_fx", "sympy.physics", "transformers.models.llama.modeling_llama",
+           "transformers.models.gpt2.modeling_gpt2", "deepspeed.compile.capture.compiler",
+           # DeepSpeed's ZeRO optimizers import it on every engine, and it compiles a function at import
+           "deepspeed.runtime.zero.muon.muon_optimizer",
+           "frozen_heap"]  # last: moves all of the above out of the garbage collector's way
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
