@@ -63,7 +63,7 @@ PRELOAD = ["checkout", "torch", "torch.distributed", "deepspeed", "deepspeed.com
            "transformers.models.gpt2.modeling_gpt2", "deepspeed.compile.capture.compiler",
            # DeepSpeed's ZeRO optimizers import it on every engine, and it compiles a function at import
            "deepspeed.runtime.zero.muon.muon_optimizer",
-           "frozen_heap"]  # last: moves all of the above out of the garbage collector's way
+           "forkserver_ready"]  # last: one-time probes, then the heap frozen
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
