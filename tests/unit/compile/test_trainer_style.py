@@ -146,8 +146,10 @@ def _assert_ranks_issued_the_same_collectives(results):
 
 
 def _eager_backend_cases(steps):
-    return {"plain": _train(steps, "eager", bf16=False, gradient_checkpointing=False),
-            "checkpointing": _train(steps, "eager", bf16=False, gradient_checkpointing=True)}
+    # the plain model at each rank's own length (its new-length-every-step graphs are the packed test's); the
+    # checkpointed one at a new length every step, so that its dynamic graphs run checkpointed regions too
+    return {"plain": _train(steps, "eager", False, False, "per_rank"),
+            "checkpointing": _train(steps, "eager", False, True, "changing")}
 
 
 def test_eager_backend_fp32_with_and_without_gradient_checkpointing():
