@@ -188,38 +188,62 @@ def test_coalesced_async_gathers_same_order_on_every_rank_both_backends():
         assert rel <= 1e-5, rel
 
 
-def _reduce_bytes_under_autocast(steps):
+PRECISIONS = {  # how gradients travel in eager ZeRO-3 (``get_param_comm_dtype``)
+    "bf16": {"bf16": {"enabled": True}},  # every gradient in bf16
+    # every gradient in fp32 (DeepSpeed's option for reducing 16-bit gradients at full precision)
+    "bf16, fp32 communication": {"bf16": {"enabled": True}, "communication_data_type": "fp32"},
+    # lower-precision-safe modules' (nn.Linear here) in bf16, the others in fp32. Last: DeepSpeed's flag that
+    # torch_autocast is on is a module global (``torch_autocast.TORCH_AUTOCAST_INITIALIZED``) that nothing resets, so
+    # every later engine in the process, eager ZeRO-3's too, would take each parameter's autocast dtype and ignore
+    # communication_data_type (measured: the fp32 case then moved bf16's bytes)
+    "autocast": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+}
+
+
+def _reduce_bytes(steps):
     import torch
     import models_eager
     from collectives import count_reduce_scatter
     rank = torch.distributed.get_rank()
     out = {}
-    # every parameter sharded, torch autocast to bf16
-    for name, engine in _engines("plain", zero_overrides={"stage3_param_persistence_threshold": 0},
-                                 extra={"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}):
-        idx, targets = models_eager.batch(0, rank, 12)
-        engine.backward(engine(idx, targets))  # the first step compiles: count the steps after it
-        engine.step()
-        with count_reduce_scatter() as counts:
-            for step in range(1, steps + 1):
-                idx, targets = models_eager.batch(step, rank, 12)
-                engine.backward(engine(idx, targets))
-                engine.step()
-        out[name] = counts.reduce_scatter_bytes
-        if name == "deepcompile":
-            from deepspeed.compile.report import engine_report
-            out["active"] = engine.is_deepcompile_active()
-            out["reduces"] = (engine_report(engine) or {}).get("reduces", 0)
+    for precision, extra in PRECISIONS.items():
+        out[precision] = {}
+        # every parameter sharded
+        for name, engine in _engines("plain", zero_overrides={"stage3_param_persistence_threshold": 0}, extra=extra):
+            idx, targets = models_eager.batch(0, rank, 12)
+            engine.backward(engine(idx, targets))  # the first step compiles: count the steps after it
+            engine.step()
+            norms = []
+            with count_reduce_scatter() as counts:
+                for step in range(1, steps + 1):
+                    idx, targets = models_eager.batch(step, rank, 12)
+                    engine.backward(engine(idx, targets))
+                    engine.step()
+                    norms.append(float(engine.get_global_grad_norm()))
+            result = out[precision][name] = {"bytes": counts.reduce_scatter_bytes, "grad_norms": norms}
+            if name == "deepcompile":
+                from deepspeed.compile.report import engine_report
+                result["active"] = engine.is_deepcompile_active()
+                result["reduces"] = (engine_report(engine) or {}).get("reduces", 0)
     return out
 
 
-def test_autocast_reduces_gradients_in_each_parameters_comm_dtype():
-    """Under torch_autocast eager ZeRO-3 reduces the gradients of lower-precision-safe modules (nn.Linear here) in
-    bf16 and the others in fp32; DeepCompile moves exactly the same reduce-scatter bytes, from its own reduces (not
-    from eager ZeRO-3's hooks after a fallback)."""
-    for r in run_distributed(_reduce_bytes_under_autocast, 3):
-        assert r["active"] and r["reduces"] > 0, r
-        assert r["deepcompile"] == r["eager"] > 0, r
+def test_gradients_travel_in_each_parameters_comm_dtype():
+    """Eager ZeRO-3 reduces each gradient in its parameter's communication dtype: under torch_autocast bf16 for
+    lower-precision-safe modules and fp32 for the others, under bf16 in bf16, or in ``communication_data_type``
+    when set. DeepCompile moves exactly the same reduce-scatter bytes, from its own reduces (not from eager ZeRO-3's
+    hooks after a fallback), and fp32 communication of bf16 gradients moves twice the bytes of bf16's on both. The
+    gradient norms agree within bf16's resolution (2^-8 relative: the compiled bf16 graphs round differently from
+    eager ZeRO-3's modules; a gradient reduced at the wrong scale or reinterpreted in another dtype is off by far
+    more)."""
+    for r in run_distributed(_reduce_bytes, 3):
+        for precision, by_engine in r.items():
+            dc, eager = by_engine["deepcompile"], by_engine["eager"]
+            assert dc["active"] and dc["reduces"] > 0, (precision, dc)
+            assert dc["bytes"] == eager["bytes"] > 0, (precision, dc["bytes"], eager["bytes"])
+            worst = max(abs(a - b) / b for a, b in zip(dc["grad_norms"], eager["grad_norms"]))
+            assert worst <= 2 ** -8, (precision, dc["grad_norms"], eager["grad_norms"])
+        assert r["bf16, fp32 communication"]["eager"]["bytes"] == 2 * r["bf16"]["eager"]["bytes"], r
 
 
 KEEP_SETTINGS = {  # nothing persistent in each
