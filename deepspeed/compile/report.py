@@ -39,6 +39,7 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
     }
     if state.stage != 3:
         report["eager_grads"] = c.eager_grads
+        report["reduces_started_ahead"] = c.reduces_started_ahead  # ZeRO-2 bucket reductions left in flight
     else:
         report.update({
             "gather_path": runtime.gather_path,

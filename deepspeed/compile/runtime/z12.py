@@ -6,18 +6,19 @@ model's gradients at once, which ZeRO-2 exists to avoid. Here the backward graph
 gradient exists and returns None for it, and this runtime hands the gradient to ZeRO's optimizer exactly as autograd
 would have: accumulated into ``param.grad`` (``AccumulateGrad``'s arithmetic), then the optimizer's own gradient
 hook body (``process_gradients`` and its hook bookkeeping). DeepSpeed's optimizer then does what it does in eager
-ZeRO-1/2, with every option it has: ZeRO-2 copies the gradient into its reduce bucket and reduce-scatters full
-buckets while backward goes on (asynchronously with ``overlap_comm`` on CUDA), dropping the full-size gradient;
-ZeRO-1 keeps it until the accumulation boundary. At the end of backward the runtime runs the reduction the engine
-skips while DeepCompile is active (``engine.allreduce_gradients``). Same code, same buckets, same collectives: the
-arithmetic is eager ZeRO-1/2's.
+ZeRO-1/2, with every option it has: ZeRO-2 copies the gradient into its reduce bucket and reduces full buckets
+while backward goes on, dropping the full-size gradient; ZeRO-1 keeps it until the accumulation boundary. One
+thing is changed: eager ZeRO-2 waits for each full bucket's collective inside backward (on CPU always, elsewhere
+without ``overlap_comm``), and here it is left in flight until the next full bucket or the end of backward
+(``z12_reduce.py``). At the end of backward the runtime runs the reduction the engine skips while DeepCompile is
+active (``engine.allreduce_gradients``). Same buckets, same collectives, same casts: the arithmetic is eager
+ZeRO-1/2's, bit for bit.
 
 Gradients of a parameter from several sources (two compiled graphs across a graph break, or a graph and eager
 code) are summed in ``param.grad`` first and handed over once, when the last source the forward announced has
 delivered, as autograd sums them before its single ``AccumulateGrad``.
 """
 import functools
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set
@@ -27,6 +28,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from . import registry
+from .z12_reduce import BucketFlush
 
 
 @dataclass
@@ -35,12 +37,13 @@ class Z12Counters:
     eager_grads: int = 0  # of the gradients that came, those autograd accumulated from eager code (frames run as Python)
     reduce_bytes: int = 0  # bytes ZeRO's buckets reduced, in each gradient's communication dtype
     reduce_collectives: int = 0  # ZeRO bucket reductions
-    reduce_wait_seconds: float = 0.0  # time inside ZeRO's bucket reductions (blocking collectives and copies)
+    reduce_wait_seconds: float = 0.0  # time inside ZeRO's bucket reductions (copies, and waits for collectives)
+    reduces_started_ahead: int = 0  # bucket reductions left in flight while backward went on (z12_reduce.py)
 
 
 class Z12Runtime:
 
-    def __init__(self, engine, *, stage: int):
+    def __init__(self, engine, *, stage: int, timeout_s: float = 0.0):
         self.engine = engine
         self.optimizer = engine.optimizer
         self.stage = stage
@@ -69,7 +72,9 @@ class Z12Runtime:
         self._backward_pending = False
         self._own_hooks: List = []
         self._take_over_grad_hooks()
-        self._count_bucket_reductions()
+        # ZeRO's bucket reductions, counted, and at ZeRO-2 left in flight while backward goes on
+        self.flush = BucketFlush(self.optimizer, lambda: self.counters, timeout_s)
+        self.optimizer.reduce_ipg_grads = self.flush.reduce_ipg_grads
         self.id = registry.register(self)
 
     # ----- what the compiler asks -------------------------------------------------------------------------
@@ -195,28 +200,9 @@ class Z12Runtime:
         if grad is not None:
             self._eager_incoming.add(key)
 
-    def _count_bucket_reductions(self) -> None:
-        """Count and time ZeRO's bucket reductions (its ``reduce_ipg_grads``), wherever ZeRO starts them."""
-        optimizer = self.optimizer
-        reduce_ipg_grads = type(optimizer).reduce_ipg_grads.__get__(optimizer)
-
-        def counted(comm_dtype=None):
-            buckets = optimizer.ipg_buckets
-            dtypes = [comm_dtype] if comm_dtype is not None else list(buckets)
-            sizes = [(buckets[d].elements, d) for d in dtypes if d in buckets and buckets[d].elements]
-            start = time.perf_counter()
-            try:
-                return reduce_ipg_grads(comm_dtype)
-            finally:
-                c = self.counters
-                c.reduce_wait_seconds += time.perf_counter() - start
-                c.reduce_collectives += len(sizes)
-                c.reduce_bytes += sum(n * d.itemsize for n, d in sizes)
-
-        optimizer.reduce_ipg_grads = counted
-
     def detach(self) -> None:
         """Give ZeRO its own gradient hooks and reductions back (the engine returns to eager ZeRO-1/2)."""
+        self.flush.finish()
         for hook in self._own_hooks:
             hook.remove()
         self._own_hooks = []
@@ -253,6 +239,7 @@ class Z12Runtime:
         self._grad_sources.clear()
         self._handed.clear()
         self._reduce_as_the_engine()
+        self.flush.finish()  # where the engine reduced nothing at the end, what started in backward still lands
 
     def _reduce_as_the_engine(self) -> None:
         """``engine.allreduce_gradients`` (which the engine skips while DeepCompile is active), for ZeRO-1/2."""

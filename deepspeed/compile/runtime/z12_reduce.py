@@ -1,0 +1,149 @@
+"""ZeRO-2's bucket reductions, started without waiting for them.
+
+Eager ZeRO-2 (``stage_1_and_2.py``) reduces a full gradient bucket inside the gradient hook that found it full: its
+``reduce_ipg_grads`` divides the bucket by the world size, all-reduces a flat copy of it, copies this rank's slices
+of the result back into the bucket, and then copies each gradient of this rank's partition out of the bucket into
+the partition's gradient buffer (and drops the other gradients). With gloo, and on any device with ``overlap_comm``
+off, the all-reduce blocks: backward stops at every full bucket until every rank has reached it.
+
+:class:`BucketFlush` takes ZeRO's place as ``reduce_ipg_grads`` and does the same steps in another order. At a flush
+in backward the bucket is divided, copied flat in its communication dtype, and the copy's all-reduce is started;
+the bucket's gradients go to the partition at once (their values as ZeRO copies them, divided and not yet reduced),
+so the bucket takes the next gradients straight away. When the collective is done (at the next flush, or at the end
+of backward, where ZeRO asks for every bucket) this rank's slices of the result are written over their place in the
+partition. Every value the optimizer reads is eager ZeRO-2's, bit for bit: the same division, the same collective
+on the same elements, the same casts. The other ranks' slices keep the divided values ZeRO leaves there too.
+
+ZeRO's other reduction paths run as ZeRO runs them (the counters still count them): gradients bucketed by reference
+(``contiguous_gradients`` off), a gradient larger than the bucket, MoE and Muon parameters, CPU offload, sequence
+parallelism, ZeRO-1, a separate gradient accumulation dtype, and ``reduce_scatter`` or
+``use_multi_rank_bucket_allreduce`` off (per-rank reduces).
+"""
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import CommLog
+
+
+@dataclass
+class _InFlight:
+    work: object
+    flat: Tensor  # the bucket's divided copy, in its communication dtype: the collective's buffer
+    slices: List[Tuple[Tensor, int, int]]  # (this rank's part of a gradient in the partition, offset in flat, numel)
+
+
+class BucketFlush:
+    """ZeRO-2's ``reduce_ipg_grads`` with the collective left in flight (see the module docstring).
+    ``counters_of`` returns the runtime's current ``Z12Counters``."""
+
+    def __init__(self, optimizer, counters_of, timeout_s: float = 0.0):
+        self.optimizer = optimizer
+        self._zero_reduce = type(optimizer).reduce_ipg_grads.__get__(optimizer)  # ZeRO's own, for its other paths
+        self._counters_of = counters_of  # the runtime resets its counters object: always ask for the current one
+        self._waits = CommLog(timeout_s)  # its wait: a collective past compile.collective_timeout_s names itself
+        self.in_flight: List[_InFlight] = []  # started all-reduces, oldest first
+        self.overlapped = self._can_overlap()
+
+    def _can_overlap(self) -> bool:
+        """Whether ZeRO's reduction here is the one this class reorders: ZeRO-2 copying gradients into its
+        contiguous buckets and all-reducing each bucket once (DeepSpeed's defaults)."""
+        opt = self.optimizer
+        if not (opt.partition_gradients and opt.contiguous_gradients and opt.reduce_scatter
+                and opt.use_multi_rank_bucket_allreduce):
+            return False
+        if opt.cpu_offload or opt.zenflow or opt.use_grad_accum_attribute or opt.sequence_parallel_size != 1:
+            return False
+        if any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups))):
+            return False
+        return not any(getattr(p, "use_muon", False) for group in opt.bit16_groups for p in group)
+
+    # ----- ZeRO's entry point ----------------------------------------------------------------------------------
+    def reduce_ipg_grads(self, comm_dtype: Optional[torch.dtype] = None) -> None:
+        """ZeRO calls this with the dtype of a bucket that is full (in a gradient hook: start it, finish what was
+        in flight before), or with none at the end of backward (reduce every bucket and finish all of them)."""
+        opt = self.optimizer
+        buckets = opt.ipg_buckets
+        start = time.perf_counter()
+        sizes = [(buckets[d].elements, d) for d in ([comm_dtype] if comm_dtype is not None else list(buckets))
+                 if d in buckets and buckets[d].elements]
+        try:
+            if not self.overlapped or any(self._zero_path(d) for _, d in sizes):
+                self.finish()  # ZeRO's own path, with nothing of ours still in flight (it would read the partition)
+                self._zero_reduce(comm_dtype)
+            elif comm_dtype is not None:
+                self._start(comm_dtype)
+                self.finish(keep_latest=True)
+                self._counters_of().reduces_started_ahead += 1
+            else:
+                for _, dtype in sizes:  # ZeRO's order of dtypes does not matter: each is its own collective
+                    self._start(dtype)
+                self.finish()
+        finally:
+            c = self._counters_of()
+            c.reduce_wait_seconds += time.perf_counter() - start
+            c.reduce_collectives += len(sizes)
+            c.reduce_bytes += sum(n * d.itemsize for n, d in sizes)
+
+    def _zero_path(self, dtype: torch.dtype) -> bool:
+        """A bucket only ZeRO's own code reduces: a gradient wider than the bucket (ZeRO reduces it in place,
+        unbucketed), or MoE parameters (another process group per expert)."""
+        opt = self.optimizer
+        return dtype in opt.extra_large_param_to_reduce or opt.ipg_buckets[dtype].has_moe_params
+
+    # ----- the reordered flush ---------------------------------------------------------------------------------
+    def _start(self, dtype: torch.dtype) -> None:
+        opt = self.optimizer
+        bucket = opt.ipg_buckets[dtype]
+        group = opt.dp_process_group
+        tensor = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
+        if opt.gradient_average:
+            tensor.div_(dist.get_world_size(group=group) / float(opt.sequence_parallel_size))
+        flat = tensor.to(dtype) if dtype != tensor.dtype else tensor.clone()
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        rank = dist.get_rank(group=group)
+        slices = []
+        offset = 0  # of the gradient in the bucket
+        for group_idx, param_idx, param_id in bucket.params:
+            param = opt.bit16_groups[group_idx][param_idx]
+            assert not opt.params_already_reduced[param_id], \
+                f"deepspeed-compile: a parameter's gradient was reduced twice in one backward (ZeRO id {param_id})"
+            opt.params_already_reduced[param_id] = True
+            if not opt.is_param_in_current_partition[param_id]:
+                opt.clear_grad_attribute(param)
+            else:
+                opt.copy_grads_in_partition(param, group_idx)  # param.grad is now its place in the partition
+                ours = self._own_part(group_idx, param_id, param.numel(), rank)
+                if ours is not None:
+                    start, numel = ours
+                    slices.append((param.grad.view(-1).narrow(0, start, numel), offset + start, numel))
+            offset += param.numel()
+        bucket.clear()
+        self.in_flight.append(_InFlight(work, flat, slices))
+
+    def _own_part(self, group_idx: int, param_id: int, numel: int, rank: int) -> Optional[Tuple[int, int]]:
+        """(start, numel) of the part of a gradient that belongs to this rank's partition, as ZeRO splits a
+        parameter that straddles partitions."""
+        opt = self.optimizer
+        starts = sorted((opt.grad_start_offset[group_idx][p][param_id], p)
+                        for p in opt.param_to_partition_ids[group_idx][param_id])
+        for k, (start, partition) in enumerate(starts):
+            if partition == rank:
+                end = starts[k + 1][0] if k + 1 < len(starts) else numel
+                return start, end - start
+        return None
+
+    def finish(self, keep_latest: bool = False) -> None:
+        """Wait for the started all-reduces (all, or all but the newest) and write this rank's reduced slices into
+        the partition."""
+        keep = self.in_flight[-1:] if keep_latest else []
+        done = self.in_flight[:len(self.in_flight) - len(keep)]
+        self.in_flight = keep
+        for flight in done:
+            self._waits.wait(flight.work, lambda: f"ZeRO-2's gradient all-reduce of {flight.flat.numel()} elements")
+            for dest, offset, numel in flight.slices:
+                dest.copy_(flight.flat.narrow(0, offset, numel))
