@@ -21,7 +21,7 @@ parallelism, ZeRO-1, a separate gradient accumulation dtype, and ``reduce_scatte
 """
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ class BucketFlush:
         self._waits = CommLog(timeout_s)  # its wait: a collective past compile.collective_timeout_s names itself
         self.in_flight: List[_InFlight] = []  # started all-reduces, oldest first
         self.overlapped = self._can_overlap()
+        # (group, ZeRO param id) -> (start, numel) of the part of its gradient in this rank's partition: fixed when
+        # ZeRO partitioned its groups, so worked out once here, not at every flush
+        self._own_parts = self._own_parts_of_gradients() if self.overlapped else {}
 
     def _can_overlap(self) -> bool:
         """Whether ZeRO's reduction here is the one this class reorders: ZeRO-2 copying gradients into its
@@ -105,7 +108,6 @@ class BucketFlush:
             tensor.div_(dist.get_world_size(group=group) / float(opt.sequence_parallel_size))
         flat = tensor.to(dtype) if dtype != tensor.dtype else tensor.clone()
         work = dist.all_reduce(flat, group=group, async_op=True)
-        rank = dist.get_rank(group=group)
         slices = []
         offset = 0  # of the gradient in the bucket
         for group_idx, param_idx, param_id in bucket.params:
@@ -117,7 +119,7 @@ class BucketFlush:
                 opt.clear_grad_attribute(param)
             else:
                 opt.copy_grads_in_partition(param, group_idx)  # param.grad is now its place in the partition
-                ours = self._own_part(group_idx, param_id, param.numel(), rank)
+                ours = self._own_parts.get((group_idx, param_id))
                 if ours is not None:
                     start, numel = ours
                     slices.append((param.grad.view(-1).narrow(0, start, numel), offset + start, numel))
@@ -125,17 +127,20 @@ class BucketFlush:
         bucket.clear()
         self.in_flight.append(_InFlight(work, flat, slices))
 
-    def _own_part(self, group_idx: int, param_id: int, numel: int, rank: int) -> Optional[Tuple[int, int]]:
-        """(start, numel) of the part of a gradient that belongs to this rank's partition, as ZeRO splits a
-        parameter that straddles partitions."""
+    def _own_parts_of_gradients(self) -> Dict[Tuple[int, int], Tuple[int, int]]:
+        """For every gradient with a part in this rank's partition, that part's (start, numel), as ZeRO splits a
+        parameter that straddles partitions (``grad_start_offset``: where each partition's part begins)."""
         opt = self.optimizer
-        starts = sorted((opt.grad_start_offset[group_idx][p][param_id], p)
-                        for p in opt.param_to_partition_ids[group_idx][param_id])
-        for k, (start, partition) in enumerate(starts):
-            if partition == rank:
-                end = starts[k + 1][0] if k + 1 < len(starts) else numel
-                return start, end - start
-        return None
+        rank = dist.get_rank(group=opt.dp_process_group)
+        parts = {}
+        for group_idx, group in enumerate(opt.bit16_groups):
+            for param_id, partitions in opt.param_to_partition_ids[group_idx].items():
+                starts = sorted((opt.grad_start_offset[group_idx][p][param_id], p) for p in partitions)
+                for k, (start, partition) in enumerate(starts):
+                    if partition == rank:
+                        end = starts[k + 1][0] if k + 1 < len(starts) else opt.param_dict[param_id].numel()
+                        parts[(group_idx, param_id)] = (start, end - start)
+        return parts
 
     def finish(self, keep_latest: bool = False) -> None:
         """Wait for the started all-reduces (all, or all but the newest) and write this rank's reduced slices into
