@@ -83,7 +83,7 @@ class BucketFlush:
                 self.finish(keep_latest=True)
                 self._counters_of().reduces_started_ahead += 1
             else:
-                for _, dtype in sizes:  # ZeRO's order of dtypes does not matter: each is its own collective
+                for _, dtype in sizes:  # in the buckets' order, the same on every rank: one collective each
                     self._start(dtype)
                 self.finish()
         finally:
@@ -133,7 +133,7 @@ class BucketFlush:
         opt = self.optimizer
         rank = dist.get_rank(group=opt.dp_process_group)
         parts = {}
-        for group_idx, group in enumerate(opt.bit16_groups):
+        for group_idx in range(len(opt.bit16_groups)):
             for param_id, partitions in opt.param_to_partition_ids[group_idx].items():
                 starts = sorted((opt.grad_start_offset[group_idx][p][param_id], p) for p in partitions)
                 for k, (start, partition) in enumerate(starts):

@@ -148,9 +148,10 @@ def test_fp32_matches_eager_zero_bitwise(stage_results, case):
         assert all(not names for names in r["grads"]), r["grads"]
         assert r["params"] == [] and r["master"] == [], (r["params"], r["master"])
         assert r["counters"]["reduces"] > 0 and r["counters"]["reduce_collectives"] > 0, r["counters"]
-        # ZeRO-2 with contiguous buckets: the models fill several 20000-element buckets in a backward, and each full
-        # one's collective stayed in flight while backward went on (z12_reduce.py); ZeRO-1 reduces at the boundary,
-        # and buckets of references (contiguous_gradients off) are ZeRO's own path
+        # ZeRO-2 with contiguous buckets: the GPT's gradients (29088 elements) fill a 20000-element bucket in each
+        # backward, the accumulation case's MLP several 1000-element ones, and each full bucket's collective stayed in
+        # flight while backward went on (z12_reduce.py); ZeRO-1 reduces at the boundary, and buckets of references
+        # (contiguous_gradients off) are ZeRO's own path
         overlapped = stage == 2 and case not in ("no_contiguous", "frozen")  # the frozen MLP fills no bucket
         assert (r["counters"]["reduces_started_ahead"] > 0) == overlapped, (case, r["counters"])
     if case == "blocks":  # one backward graph reduces the block gradients, traced on the first block, serving both
