@@ -1,5 +1,8 @@
 """What calling one of our graph ops costs through the dispatcher, as inductor's generated code calls it: the
 ``custom_op`` each pass sees against its ``dsc::run_*`` twin (``runtime/ops.py``), with the runtime's work taken out.
+And what a small ATen op costs from the eager backend's graph code: through its ``OpOverload``, as FX writes it
+(``torch.ops.aten.add.Tensor(...)``), against the C++ function behind it, as the eager backend calls it
+(``capture/compiler._direct_op_calls``).
 
     python benchmarks/op_dispatch.py [--calls 20000]
 
@@ -59,6 +62,12 @@ def main() -> None:
             traced, untraced = per_call(op, args, calls), per_call(ops.UNTRACED_CALLS[op], args, calls)
             print(f"{op._schema.name:20s} custom_op {traced * 1e6:6.1f} us   run_ twin {untraced * 1e6:6.1f} us   "
                   f"({traced / untraced:.1f}x)")
+        x, y = torch.randn(64), torch.randn(64)
+        aten = per_call(lambda a, b: torch.ops.aten.add.Tensor(a, b), (x, y), calls)
+        add = torch.ops.aten.add.Tensor._op  # a global of the graph's code, as the eager backend binds it
+        direct = per_call(lambda a, b: add(a, b), (x, y), calls)  # both called from a Python frame
+        print(f"{'aten::add.Tensor':20s} torch.ops  {aten * 1e6:6.1f} us   direct    {direct * 1e6:6.1f} us   "
+              f"({aten / direct:.1f}x)")
 
 
 if __name__ == "__main__":

@@ -314,3 +314,32 @@ def test_eager_backend_runs_a_graph_in_its_own_heap_frame():
         failing([x, y])
     text = "".join(traceback.format_exception(raised.value))
     assert "deepspeed-compile graph" in text and "_fail(" in text, text
+
+
+def test_eager_backend_calls_aten_ops_past_their_python_wrapper():
+    """``heap_frame_function`` binds each ATen ``OpOverload`` of the graph to the C++ function behind it: the source
+    calls ``aten_mul_Tensor(...)``, not ``torch.ops.aten.mul.Tensor(...)``, with the same result; an alias that a
+    graph's own local would shadow is left as FX wrote it."""
+    import linecache
+    from deepspeed.compile.capture.compiler import heap_frame_function
+    x, y = torch.randn(3), torch.randn(3)
+
+    def source(gm: GraphModule):
+        body = heap_frame_function(gm)
+        text = "".join(linecache.getlines(body.__code__.co_filename))
+        try:
+            next(body(gm, x, y))
+        except StopIteration as done:
+            return text, done.value
+        raise AssertionError("the graph's code yielded")
+
+    text, out = source(_graph_calling(_record_caller))
+    assert "aten_mul_Tensor(x, y)" in text and "aten_add_Tensor(" in text and "torch.ops." not in text, text
+    assert torch.equal(out[0], x * y + x)
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("aten_mul_Tensor"), graph.placeholder("y")  # a local named as the alias would be
+    graph.output((graph.call_function(torch.ops.aten.add.Tensor, (graph.call_function(torch.ops.aten.mul.Tensor,
+                                                                                      (a, b)), a)), ))
+    text, out = source(GraphModule(torch.nn.Module(), graph))
+    assert "torch.ops.aten.mul.Tensor(" in text, text
+    assert "aten_add_Tensor(" in text and torch.equal(out[0], x * y + x)
