@@ -3,17 +3,20 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/steady_step.py \
         --rows ours-zero2,zero2+compile --model llama --size large --steps 8 \
         [--section '{"partitioner": "default"}'] [--zero '[{}, {"reduce_bucket_size": 1e9}]'] \
-        [--aten-profile | --reduce-timeline]
+        [--aten-profile | --reduce-timeline] [--op-calls direct,overload]
 
 Builds each row as ``worker.py`` does (same model, config and batches), runs ``--warm`` untimed steps after the
 compile step, then ``--steps`` timed steps with nothing else in the loop (no memory profiler, no collective
 counting): rank 0 prints each row's median step, per-phase seconds and the process's minor page faults per step, and
 for a DeepCompile row what its engine report counted over the timed steps, per step: the time spent waiting on
 collectives (the exposed all-gather wait, ZeRO-3 only, and the reduce wait) and the number of collectives. With
-several rows each timed batch runs once per row, back to back in the order given, and the median of the per-batch
-ratios to the first row is printed too: the rows share the machine's state from one moment to the next, so a ratio
-of a few percent can be seen here, where separate launches differ by 10-25% (launch again with the rows in another
-order: each row always runs after the same one). ``--section`` overrides keys of a DeepCompile row's ``"compile"``
+several rows each timed batch runs once per row, back to back, in the order given for even batches and reversed for
+odd ones (so no row always runs after the same one, and a drift over the launch weighs on every row alike), and the
+median of the per-batch ratios to the first row is printed with a 95% interval (a bootstrap over the batches): the
+rows share the machine's state from one moment to the next, so a ratio of a few percent can be seen here, where
+separate launches differ by 10-25%. ``--op-calls`` (one value per row) compiles a row's eager-backend graphs calling
+ATen ops through their ``OpOverload``, as FX writes them, instead of the C++ functions behind them (``direct``, what
+DeepCompile does: ``capture/compiler._direct_op_calls``): the same configuration twice shows what that costs. ``--section`` overrides keys of a DeepCompile row's ``"compile"``
 section, ``--zero`` keys of a DeepSpeed row's ``"zero_optimization"`` section: a JSON object for every row, or a
 list of them, one per row. ``--aten-profile`` instead runs each timed backward under ``torch.profiler`` and prints
 its ops by self CPU time per step (what ``run.py``'s phase table cannot split). ``--reduce-timeline`` instead
@@ -22,8 +25,10 @@ prints, for ZeRO-1/2 rows and every rank, when ZeRO's bucket reductions start in
 numbers raise, not a second benchmark: the benchmark's ratios still come from ``run.py --rounds``.
 """
 import argparse
+import contextlib
 import json
 import os
+import random
 import resource
 import statistics
 import sys
@@ -130,6 +135,27 @@ def summarize_timeline(steps: List[List[Tuple[float, float]]]) -> Tuple[List[Tup
     return positions, statistics.median(sum(took for _, took in spans) for spans in steps)
 
 
+@contextlib.contextmanager
+def graph_op_calls(calls: str):
+    """``overload``: eager-backend graphs compiled inside call ATen ops as FX writes them (``torch.ops.aten.mm.default``)."""
+    from deepspeed.compile.capture import compiler
+    direct = compiler._direct_op_calls
+    if calls == "overload":
+        compiler._direct_op_calls = lambda source, gm, namespace: source
+    try:
+        yield
+    finally:
+        compiler._direct_op_calls = direct
+
+
+def median_interval(values: List[float], resamples: int = 2000, seed: int = 0) -> Tuple[float, float]:
+    """A 95% interval for the median of ``values``: the 2.5th and 97.5th percentiles of the medians of ``resamples``
+    resamples with replacement (a percentile bootstrap; seeded, so a launch's figures can be recomputed)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def per_row(parser: argparse.ArgumentParser, flag: str, text: str, rows: List[str]) -> List[Dict]:
     """A flag's JSON: one object for every row, or a list of objects, one per row."""
     try:
@@ -171,6 +197,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--section", default="{}", help="JSON object (or list, one per row) merged into a DeepCompile "
                    "row's compile section")
+    p.add_argument("--op-calls", default=None, help="comma-separated, one per row: direct (default) or overload, how "
+                   "a DeepCompile row's eager-backend graph code calls ATen ops")
     p.add_argument("--zero", default="{}", help="JSON object (or list, one per row) merged into a DeepSpeed row's "
                    "zero_optimization section")
     instead = p.add_mutually_exclusive_group()
@@ -185,11 +213,15 @@ def main() -> None:
         p.error(f"--rows: unknown {unknown}; choose from {', '.join(worker.ROWS)}")
     sections, zeros = (per_row(p, flag, text, rows) for flag, text in (("--section", args.section),
                                                                         ("--zero", args.zero)))
+    op_calls = args.op_calls.split(",") if args.op_calls else ["direct"] * len(rows)
+    if len(op_calls) != len(rows) or set(op_calls) - {"direct", "overload"}:
+        p.error(f"--op-calls: one of direct/overload per row of --rows ({len(rows)}), got {args.op_calls!r}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    labels = [f"{row} {json.dumps(sec)} {json.dumps(zero)}" for row, sec, zero in zip(rows, sections, zeros)]
+    labels = [f"{row} {json.dumps(sec)} {json.dumps(zero)}{' (ATen ops through OpOverload)' * (calls == 'overload')}"
+              for row, sec, zero, calls in zip(rows, sections, zeros, op_calls)]
     built = [build(args, row, sec, zero) for row, sec, zero in zip(rows, sections, zeros)]
     batches = [worker.make_batch(args.size, i, rank) for i in range(1 + args.warm + args.steps)]
     engines = [engine for _, engine in built]
@@ -198,9 +230,10 @@ def main() -> None:
         no_buckets = [row for row, e in zip(rows, engines) if not hasattr(getattr(e, "optimizer", None), "ipg_buckets")]
         if no_buckets:
             p.error(f"--reduce-timeline: rows {no_buckets} have no ZeRO-1/2 reduce buckets")
-    for fns in built:
-        for batch in batches[:1 + args.warm]:
-            worker.train_step(fns, batch)
+    for fns, calls in zip(built, op_calls):
+        with graph_op_calls(calls):  # the row's graphs compile in its first step (backward's in its first backward)
+            for batch in batches[:1 + args.warm]:
+                worker.train_step(fns, batch)
     timed = batches[1 + args.warm:]
     if args.reduce_timeline:
         for label, fns, engine in zip(labels, built, engines):
@@ -226,8 +259,8 @@ def main() -> None:
         steps: List[List[float]] = [[] for _ in rows]
         faults: List[List[int]] = [[] for _ in rows]
         before = [engine_report(e) if e is not None else None for e in engines]
-        for batch in timed:
-            for r in range(len(rows)):
+        for i, batch in enumerate(timed):
+            for r in (range(len(rows)) if i % 2 == 0 else reversed(range(len(rows)))):
                 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = time.perf_counter()
                 worker.train_step(built[r], batch, phase_times=phases[r])
@@ -240,7 +273,9 @@ def main() -> None:
                 ratio = ""
                 if r:
                     ratios = [a / b for a, b in zip(steps[r], steps[0])]
-                    ratio = f"; over the first row, per step: median {statistics.median(ratios):.3f}x"
+                    low, high = median_interval(ratios)
+                    ratio = (f"; over the first row, per step: median {statistics.median(ratios):.3f}x "
+                             f"(95% {low:.3f}-{high:.3f})")
                 comm = comm_summary(before[r], after[r], len(timed))
                 print(f"{label}: step {statistics.median(steps[r]):.3f} s ({parts}){ratio}; "
                       f"page faults {statistics.median(faults[r]):.0f}/step{comm}")

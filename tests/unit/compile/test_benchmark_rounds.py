@@ -114,6 +114,17 @@ def test_steady_step_reduction_timeline_is_summarized_by_position_over_steps():
     assert total == pytest.approx(0.05)  # median of 0.03, 0.07, 0.05, 0.05
 
 
+def test_steady_step_median_interval_holds_the_median_and_narrows_with_agreeing_batches():
+    from benchmarks.steady_step import median_interval
+    spread = [0.90, 0.95, 1.00, 1.02, 1.04, 1.06, 1.10, 1.20]
+    low, high = median_interval(spread)
+    assert 0.90 <= low <= 1.03 <= high <= 1.20 and low < high  # the sample median 1.03 lies inside
+    assert median_interval(spread) == (low, high)  # seeded: the same figures again
+    tight = [1.03, 1.031, 1.029, 1.03, 1.032, 1.028, 1.03, 1.03]
+    t_low, t_high = median_interval(tight)
+    assert 1.028 <= t_low <= 1.03 <= t_high <= 1.032 and t_high - t_low < high - low
+
+
 def test_steady_step_comm_summary_is_per_timed_step_and_only_for_deepcompile_rows():
     from benchmarks.steady_step import comm_summary
     before = {"gather_seconds": 1.0, "allgather_collectives": 100, "reduce_wait_seconds": 0.5, "reduce_collectives": 10}
