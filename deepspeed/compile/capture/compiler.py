@@ -291,9 +291,9 @@ def heap_frame_function(gm: GraphModule) -> Callable:
 def _direct_op_calls(source: str, gm: GraphModule, namespace: Dict[str, Any]) -> str:
     """The graph's source with each ATen op called through the C++ function behind its ``OpOverload``
     (``torch.ops.aten.mm.default(...)`` -> ``aten_mm_default(...)``, bound in ``namespace``): the same dispatcher
-    call, without four attribute lookups and ``OpOverload.__call__``'s Python frame on every op (about 2 us of the 7 a
-    small op costs from Python here; a large-Llama step runs some 2,500 of them). Only plain ``OpOverload``s:
-    a subclass (TorchBind ops) decides in Python how to dispatch."""
+    call, without four attribute lookups and ``OpOverload.__call__``'s Python frame, on every op of the graph (2-3 us
+    of the 8-13 a small op costs from Python on this project's machines: ``benchmarks/op_dispatch.py``). Only plain
+    ``OpOverload``s: a subclass (TorchBind ops) decides in Python how to dispatch."""
     ops = {n.target for n in gm.graph.nodes if n.op == "call_function" and type(n.target) is torch._ops.OpOverload}
     scope = {}
     exec(compile(source, "<graph>", "exec"), dict(namespace), scope)
