@@ -16,9 +16,9 @@ median of the per-batch ratios to the first row is printed with a 95% interval (
 rows share the machine's state from one moment to the next, so a ratio of a few percent can be seen here, where
 separate launches differ by 10-25%. ``--op-calls`` (one value per row) compiles a row's eager-backend graphs calling
 ATen ops through their ``OpOverload``, as FX writes them, instead of the C++ functions behind them (``direct``, what
-DeepCompile does: ``capture/compiler._direct_op_calls``): the same configuration twice shows what that costs. ``--section`` overrides keys of a DeepCompile row's ``"compile"``
-section, ``--zero`` keys of a DeepSpeed row's ``"zero_optimization"`` section: a JSON object for every row, or a
-list of them, one per row. ``--aten-profile`` instead runs each timed backward under ``torch.profiler`` and prints
+DeepCompile does: ``capture/compiler._direct_op_calls``): the same configuration twice shows what that costs.
+``--section`` overrides keys of a DeepCompile row's ``"compile"`` section, ``--zero`` keys of a DeepSpeed row's
+``"zero_optimization"`` section: a JSON object for every row, or a list of them, one per row. ``--aten-profile`` instead runs each timed backward under ``torch.profiler`` and prints
 its ops by self CPU time per step (what ``run.py``'s phase table cannot split). ``--reduce-timeline`` instead
 prints, for ZeRO-1/2 rows and every rank, when ZeRO's bucket reductions start in backward and how long each takes
 (both ranks start each backward together): what is compute and what is the reductions. A tool for questions the driver's
@@ -137,7 +137,8 @@ def summarize_timeline(steps: List[List[Tuple[float, float]]]) -> Tuple[List[Tup
 
 @contextlib.contextmanager
 def graph_op_calls(calls: str):
-    """``overload``: eager-backend graphs compiled inside call ATen ops as FX writes them (``torch.ops.aten.mm.default``)."""
+    """``overload``: eager-backend graphs compiled inside call ATen ops as FX writes them
+    (``torch.ops.aten.mm.default(...)``); ``direct``: as DeepCompile calls them."""
     from deepspeed.compile.capture import compiler
     direct = compiler._direct_op_calls
     if calls == "overload":
