@@ -18,11 +18,12 @@ separate launches differ by 10-25%. ``--op-calls`` (one value per row) compiles 
 ATen ops through their ``OpOverload``, as FX writes them, instead of the C++ functions behind them (``direct``, what
 DeepCompile does: ``capture/compiler._direct_op_calls``): the same configuration twice shows what that costs.
 ``--section`` overrides keys of a DeepCompile row's ``"compile"`` section, ``--zero`` keys of a DeepSpeed row's
-``"zero_optimization"`` section: a JSON object for every row, or a list of them, one per row. ``--aten-profile`` instead runs each timed backward under ``torch.profiler`` and prints
-its ops by self CPU time per step (what ``run.py``'s phase table cannot split). ``--reduce-timeline`` instead
-prints, for ZeRO-1/2 rows and every rank, when ZeRO's bucket reductions start in backward and how long each takes
-(both ranks start each backward together): what is compute and what is the reductions. A tool for questions the driver's
-numbers raise, not a second benchmark: the benchmark's ratios still come from ``run.py --rounds``.
+``"zero_optimization"`` section: a JSON object for every row, or a list of them, one per row. ``--aten-profile``
+instead runs each timed backward under ``torch.profiler`` and prints its ops by self CPU time per step (what
+``run.py``'s phase table cannot split). ``--reduce-timeline`` instead prints, for ZeRO-1/2 rows and every rank, when
+ZeRO's bucket reductions start in backward and how long each takes (both ranks start each backward together): what
+is compute and what is the reductions. A tool for questions the driver's numbers raise, not a second benchmark: the
+benchmark's ratios still come from ``run.py --rounds``.
 """
 import argparse
 import contextlib
