@@ -243,7 +243,8 @@ def boxed_eager(gm: GraphModule) -> Callable:
     until it returns (``make_boxed_func`` holds the list), where eager autograd frees them as it goes.
     Our ops are called as the plain functions behind them: nothing traces or differentiates this graph any more, so
     the dispatcher's custom-op path (schema defaults, autograd wrapper, redispatch) would be pure overhead.
-    The code runs in a frame of its own on the heap (:func:`heap_frame_function`)."""
+    The code runs in a frame of its own on the heap and calls ATen ops past their ``OpOverload`` wrappers
+    (:func:`heap_frame_function`)."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in PLAIN_CALLS:
             node.target = PLAIN_CALLS[node.target]
@@ -275,7 +276,8 @@ def heap_frame_function(gm: GraphModule) -> Callable:
     Llama's backward), so where it leaves its chunk nearly full, every op it calls maps a fresh chunk and unmaps it
     on return: a page fault and two system calls per op, depending only on how deep the stack happened to be
     (docs/benchmarks.md, "The eager backend's graphs off CPython's data stack"). A generator's frame lives in the generator object, so the graph's callees get the stack's room
-    below it. Source lines stay in tracebacks (registered with ``linecache``)."""
+    below it. Source lines stay in tracebacks (registered with ``linecache``). Its ATen ops are called directly
+    (:func:`_direct_op_calls`)."""
     code = gm.graph.python_code(root_module="self")
     lines = code.src.split("\n")
     at = next(i for i, line in enumerate(lines) if line.startswith("def forward("))
