@@ -275,9 +275,9 @@ def heap_frame_function(gm: GraphModule) -> Callable:
     and unmapped as calls need them. A graph's function has a local per node (over a thousand in the benchmark
     Llama's backward), so where it leaves its chunk nearly full, every op it calls maps a fresh chunk and unmaps it
     on return: a page fault and two system calls per op, depending only on how deep the stack happened to be
-    (docs/benchmarks.md, "The eager backend's graphs off CPython's data stack"). A generator's frame lives in the generator object, so the graph's callees get the stack's room
-    below it. Source lines stay in tracebacks (registered with ``linecache``). Its ATen ops are called directly
-    (:func:`_direct_op_calls`)."""
+    (docs/benchmarks.md, "The eager backend's graphs off CPython's data stack"). A generator's frame lives in the
+    generator object, so the graph's callees get the stack's room below it. Source lines stay in tracebacks
+    (registered with ``linecache``). Its ATen ops are called directly (:func:`_direct_op_calls`)."""
     code = gm.graph.python_code(root_module="self")
     lines = code.src.split("\n")
     at = next(i for i, line in enumerate(lines) if line.startswith("def forward("))
