@@ -297,16 +297,20 @@ def _direct_op_calls(source: str, gm: GraphModule, namespace: Dict[str, Any]) ->
     of the 8-13 a small op costs from Python on this project's machines: ``benchmarks/op_dispatch.py``). Only plain
     ``OpOverload``s: a subclass (TorchBind ops) decides in Python how to dispatch."""
     ops = {n.target for n in gm.graph.nodes if n.op == "call_function" and type(n.target) is torch._ops.OpOverload}
-    scope = {}
+    scope = {}  # compiled once as it is (at compile time, not per call) for the names its code binds
     exec(compile(source, "<graph>", "exec"), dict(namespace), scope)
-    locals_ = set(scope["forward"].__code__.co_varnames)  # arguments and every variable the code assigns
-    for op in sorted(ops, key=lambda op: -len(str(op))):
+    taken = set(scope["forward"].__code__.co_varnames) | set(namespace)  # arguments, assigned variables, globals
+    aliases = {}  # FX's spelling of an op -> the global it is called through
+    for op in ops:
         qualified = torch.fx.node._get_qualified_name(op)
-        alias = re.sub(r"\W", "_", qualified[len("torch.ops."):]) if qualified.startswith("torch.ops.") else None
-        if alias is None or alias in locals_ or namespace.setdefault(alias, op._op) is not op._op:
-            continue  # FX spelled it otherwise, or the name is taken: left as it is
-        source = re.sub(r"(?<![\w.])" + re.escape(qualified) + r"\(", alias + "(", source)
-    return source
+        alias = re.sub(r"\W", "_", qualified[len("torch.ops."):])
+        if qualified.startswith("torch.ops.") and alias not in taken:  # else left as FX wrote it
+            aliases[qualified], namespace[alias] = alias, op._op
+            taken.add(alias)  # two spellings with one alias (aten.a_b.c, aten.a.b_c): the second stays as it is
+    if not aliases:
+        return source
+    calls = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, aliases)) + r")\(")
+    return calls.sub(lambda call: aliases[call.group(1)] + "(", source)
 
 
 def collective_order(gm: GraphModule) -> List[Tuple[str, int]]:
