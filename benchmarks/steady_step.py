@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/steady_step.py \
         --rows ours-zero2,zero2+compile --model llama --size large --steps 8 \
         [--section '{"partitioner": "default"}'] [--zero '[{}, {"reduce_bucket_size": 1e9}]'] \
-        [--aten-profile | --reduce-timeline] [--op-calls direct,overload]
+        [--aten-profile [forward] | --reduce-timeline] [--op-calls direct,overload]
 
 Builds each row as ``worker.py`` does (same model, config and batches), runs ``--warm`` untimed steps after the
 compile step, then ``--steps`` timed steps with nothing else in the loop (no memory profiler, no collective
@@ -19,11 +19,11 @@ ATen ops through their ``OpOverload``, as FX writes them, instead of the C++ fun
 DeepCompile does: ``capture/compiler._direct_op_calls``): the same configuration twice shows what that costs.
 ``--section`` overrides keys of a DeepCompile row's ``"compile"`` section, ``--zero`` keys of a DeepSpeed row's
 ``"zero_optimization"`` section: a JSON object for every row, or a list of them, one per row. ``--aten-profile``
-instead runs each timed backward under ``torch.profiler`` and prints its ops by self CPU time per step (what
-``run.py``'s phase table cannot split). ``--reduce-timeline`` instead prints, for ZeRO-1/2 rows and every rank, when
-ZeRO's bucket reductions start in backward and how long each takes (both ranks start each backward together): what
-is compute and what is the reductions. A tool for questions the driver's numbers raise, not a second benchmark: the
-benchmark's ratios still come from ``run.py --rounds``.
+instead runs each timed backward (``--aten-profile forward``: forward) under ``torch.profiler`` and prints its ops
+by self CPU time per step (what ``run.py``'s phase table cannot split). ``--reduce-timeline`` instead prints, for
+ZeRO-1/2 rows and every rank, when ZeRO's bucket reductions start in backward and how long each takes (both ranks
+start each backward together): what is compute and what is the reductions. A tool for questions the driver's
+numbers raise, not a second benchmark: the benchmark's ratios still come from ``run.py --rounds``.
 """
 import argparse
 import contextlib
@@ -72,17 +72,22 @@ def build(args: argparse.Namespace, row: str, section: Dict, zero: Dict) -> Tupl
         worker.ds_config = ds_config
 
 
-def backward_ops(fns: worker.Step, batches: List) -> List[Tuple[str, int, float]]:
-    """(op, calls, self CPU seconds) summed over the backwards of ``batches``."""
+def phase_ops(fns: worker.Step, batches: List, phase: str) -> List[Tuple[str, int, float]]:
+    """(op, calls, self CPU seconds) summed over the ``phase`` (forward or backward) of each of ``batches``."""
     from torch.profiler import ProfilerActivity, profile
     forward, backward, step = fns
     totals: Dict[str, Tuple[int, float]] = {}
+
+    def profiled(name: str):
+        return profile(activities=[ProfilerActivity.CPU]) if name == phase else contextlib.nullcontext()
+
     for batch in batches:
-        loss = forward(batch)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profiled("forward") as fwd:
+            loss = forward(batch)
+        with profiled("backward") as bwd:
             backward(loss)
         step()
-        for e in prof.key_averages():
+        for e in (fwd or bwd).key_averages():
             calls, seconds = totals.get(e.key, (0, 0.0))
             totals[e.key] = (calls + e.count, seconds + e.self_cpu_time_total / 1e6)
     return sorted(((k, c, s) for k, (c, s) in totals.items()), key=lambda t: -t[2])
@@ -204,7 +209,8 @@ def main() -> None:
     p.add_argument("--zero", default="{}", help="JSON object (or list, one per row) merged into a DeepSpeed row's "
                    "zero_optimization section")
     instead = p.add_mutually_exclusive_group()
-    instead.add_argument("--aten-profile", action="store_true", help="backward's ops by self CPU time instead")
+    instead.add_argument("--aten-profile", nargs="?", const="backward", choices=("forward", "backward"),
+                         help="the ops of backward (or of the phase named) by self CPU time instead")
     instead.add_argument("--reduce-timeline", action="store_true", help="ZeRO-1/2 rows: when ZeRO's bucket reductions run "
                    "in backward and how long each takes, on every rank, instead")
     worker.add_setting_args(p)
@@ -250,10 +256,10 @@ def main() -> None:
                           "ms/step")
     elif args.aten_profile:
         for label, fns in zip(labels, built):
-            ops = backward_ops(fns, timed)
+            ops = phase_ops(fns, timed, args.aten_profile)
             if rank == 0:
                 total = sum(s for _, _, s in ops)
-                print(f"{label}: backward self CPU {total / args.steps * 1e3:.1f} ms/step")
+                print(f"{label}: {args.aten_profile} self CPU {total / args.steps * 1e3:.1f} ms/step")
                 for name, calls, seconds in ops[:25]:
                     print(f"  {seconds / args.steps * 1e3:8.2f} ms  {calls // args.steps:5d}x  {name}")
     else:

@@ -135,3 +135,16 @@ def test_steady_step_comm_summary_is_per_timed_step_and_only_for_deepcompile_row
     assert comm_summary(zero2, {"reduce_wait_seconds": 0.3, "reduce_collectives": 15}, 3) == \
         "; per step: reduce wait 100.0 ms (5 collectives)"
     assert comm_summary(None, None, 4) == ""  # eager DeepSpeed, FSDP2 and local rows
+
+
+@pytest.mark.parametrize("phase, inside, outside", [("forward", "aten::sin", "aten::cos"),
+                                                     ("backward", "aten::cos", "aten::sin")])
+def test_steady_step_aten_profile_counts_the_named_phase_only(phase, inside, outside):
+    import torch
+    from benchmarks.steady_step import phase_ops
+    x = torch.ones(8, requires_grad=True)
+    steps = []
+    fns = (lambda batch: (x * batch).sin().sum(), lambda loss: loss.backward(), lambda: steps.append(1))
+    ops = {name: calls for name, calls, seconds in phase_ops(fns, [2.0, 3.0], phase)}
+    assert ops[inside] == 2 and outside not in ops  # sin runs in forward; its backward runs cos
+    assert len(steps) == 2  # every phase ran, profiled or not
