@@ -76,9 +76,10 @@ def _train_steps(engine, steps: int, after_backward=None, lengths: str = "changi
     return losses, grad_norms
 
 
-def _eager_then_compiled(backend: str, bf16: bool, gradient_checkpointing: bool = False):
+def _eager_then_compiled(backend: str, bf16: bool, checkpointing: str = ""):
     """Yields ``(deepcompile, engine)``: eager ZeRO-3, then DeepCompile (compiled with ``backend``), each on the same
-    initial tiny Llama; each engine is destroyed when the loop moves on."""
+    initial tiny Llama, with Hugging Face's gradient checkpointing if ``checkpointing`` says which (``"reentrant"``,
+    ``"non_reentrant"``); each engine is destroyed when the loop moves on."""
     import deepspeed
     from models import tiny_llama
     deepspeed.init_distributed(dist_backend="gloo")
@@ -86,8 +87,12 @@ def _eager_then_compiled(backend: str, bf16: bool, gradient_checkpointing: bool 
     for deepcompile in (False, True):
         torch.manual_seed(0)
         model = tiny_llama()
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointing:
+            reentrant = {"reentrant": True, "non_reentrant": False}[checkpointing]
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            layer = model.model.layers[0]
+            assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.keywords == {
+                "use_reentrant": reentrant}, "transformers did not take the checkpointing asked for"
         model.train()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                           config=_config(deepcompile, bf16))
@@ -97,12 +102,12 @@ def _eager_then_compiled(backend: str, bf16: bool, gradient_checkpointing: bool 
         engine.destroy()
 
 
-def _train(steps, backend: str, bf16: bool, gradient_checkpointing: bool, lengths: str = "changing"):
+def _train(steps, backend: str, bf16: bool, checkpointing: str, lengths: str = "changing"):
     """Eager ZeRO-3, then DeepCompile, from the same initial model on the same batches (``lengths``: see
     ``_padded_batch``)."""
     from deepspeed.utils import safe_get_full_grad
     out = {}
-    for deepcompile, engine in _eager_then_compiled(backend, bf16, gradient_checkpointing):
+    for deepcompile, engine in _eager_then_compiled(backend, bf16, checkpointing):
         if deepcompile:
             from deepspeed.compile.report import record_gathered_timeline
             record_gathered_timeline(engine)  # and the collectives issued, compared across ranks
@@ -147,9 +152,12 @@ def _assert_ranks_issued_the_same_collectives(results):
 
 def _eager_backend_cases(steps):
     # the plain model at each rank's own length (its new-length-every-step graphs are the packed test's); the
-    # checkpointed one at a new length every step, so that its dynamic graphs run checkpointed regions too
-    return {"plain": _train(steps, "eager", False, False, "per_rank"),
-            "checkpointing": _train(steps, "eager", False, True, "changing")}
+    # checkpointed ones at a new length every step, so that their dynamic graphs run checkpointed regions too: with
+    # torch.utils.checkpoint's two implementations (the reentrant one is an autograd.Function that runs the region
+    # again in backward under grad mode)
+    return {"plain": _train(steps, "eager", False, "", "per_rank"),
+            "checkpointing": _train(steps, "eager", False, "non_reentrant", "changing"),
+            "reentrant checkpointing": _train(steps, "eager", False, "reentrant", "changing")}
 
 
 def test_eager_backend_fp32_with_and_without_gradient_checkpointing():
@@ -182,7 +190,7 @@ def test_inductor_bf16_with_lengths_differing_across_ranks():
     bounds of the module docstring; the graphs gathered and reduced. Each rank keeps its length, so each compiles
     one static graph: bf16 under inductor with a new length every step is the packed-sequence test's."""
     steps = 4
-    results = run_distributed(_train, steps, "inductor", True, False, "per_rank", timeout_s=500)
+    results = run_distributed(_train, steps, "inductor", True, "", "per_rank", timeout_s=500)
     _assert_ranks_issued_the_same_collectives(results)
     for r in results:
         assert r["active"]
