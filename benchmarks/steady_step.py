@@ -87,7 +87,7 @@ def phase_ops(fns: worker.Step, batches: List, phase: str) -> List[Tuple[str, in
         with profiled("backward") as bwd:
             backward(loss)
         step()
-        for e in (fwd or bwd).key_averages():
+        for e in (fwd if phase == "forward" else bwd).key_averages():
             calls, seconds = totals.get(e.key, (0, 0.0))
             totals[e.key] = (calls + e.count, seconds + e.self_cpu_time_total / 1e6)
     return sorted(((k, c, s) for k, (c, s) in totals.items()), key=lambda t: -t[2])

@@ -3,7 +3,7 @@ to compare the compiled engine's with).
 
 Every Python-level reduce-scatter and all-reduce of torch 2.13 that DeepSpeed issues (``reduce_scatter_tensor``, the
 coalescing manager, its cached function references, ``all_reduce``) ends in a method of
-``torch.distributed.ProcessGroup``; ``count_reduce_scatter()`` wraps those methods on the class for the duration of a
+``torch.distributed.ProcessGroup``; ``count_reductions()`` wraps those methods on the class for the duration of a
 ``with`` block and restores them afterwards. A reduce-scatter counts the bytes of its full input, an all-reduce those
 of its tensor, separately: on gloo DeepCompile's ZeRO-3 reduces a gradient bucket as one all-reduce of it (what gloo's
 reduce-scatter runs inside, ``runtime/z3_reduce.py``). (The benchmark has its own, wider counter.)
@@ -30,7 +30,7 @@ def _nbytes(obj: Any) -> int:
 
 
 @contextlib.contextmanager
-def count_reduce_scatter() -> Iterator[Count]:
+def count_reductions() -> Iterator[Count]:
     count = Count()
     cls = dist.ProcessGroup
     saved: List = [(name, cls.__dict__[name]) for name in _METHODS + _ALL_REDUCE_METHODS if name in cls.__dict__]

@@ -203,7 +203,7 @@ PRECISIONS = {  # how gradients travel in eager ZeRO-3 (``get_param_comm_dtype``
 def _reduce_bytes(steps):
     import torch
     import models_eager
-    from collectives import count_reduce_scatter
+    from collectives import count_reductions
     rank = torch.distributed.get_rank()
     out = {}
     for precision, extra in PRECISIONS.items():
@@ -214,7 +214,7 @@ def _reduce_bytes(steps):
             engine.backward(engine(idx, targets))  # the first step compiles: count the steps after it
             engine.step()
             norms = []
-            with count_reduce_scatter() as counts:
+            with count_reductions() as counts:
                 for step in range(1, steps + 1):
                     idx, targets = models_eager.batch(step, rank, 12)
                     engine.backward(engine(idx, targets))
