@@ -1,7 +1,7 @@
 """Count all-gather and reduce-scatter bytes issued through ``torch.distributed`` (benchmark processes only).
 
 Every Python-level collective of torch 2.13 (``all_gather_into_tensor``, ``_all_gather_base``,
-``reduce_scatter_tensor``, the coalescing manager, DeepSpeed's cached function references, FSDP2's
+``reduce_scatter_tensor``, the coalescing manager (``*_single_coalesced``), DeepSpeed's cached function references, FSDP2's
 ``all_gather_single``) ends in a method of ``torch.distributed.ProcessGroup``. ``count_collectives()``
 wraps those methods on the class for the duration of a ``with`` block and restores them afterwards.
 
@@ -16,9 +16,10 @@ from typing import Any, Callable, Iterator, List
 import torch
 import torch.distributed as dist
 
-_GATHER_METHODS = ("all_gather_single", "_allgather_base", "allgather", "allgather_into_tensor_coalesced")
+_GATHER_METHODS = ("all_gather_single", "_allgather_base", "allgather", "allgather_into_tensor_coalesced",
+                   "all_gather_single_coalesced")
 _SCATTER_METHODS = ("reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter",
-                    "reduce_scatter_tensor_coalesced")
+                    "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced")
 
 
 @dataclass

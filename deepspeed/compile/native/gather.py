@@ -132,12 +132,12 @@ def cast_all_gather_start(shard: Tensor, dtype: Optional[torch.dtype], group: Op
 
 def cast_all_gather_python(shard: Tensor, dtype: Optional[torch.dtype], group: Optional[dist.ProcessGroup],
                            world_size: int, timeout: Optional[datetime.timedelta] = None) -> Tensor:
-    """Pure-Python path of the same contract, through ``torch.distributed.all_gather_into_tensor``."""
+    """Pure-Python path of the same contract, through ``torch.distributed.all_gather_single``."""
     send = shard.detach().reshape(-1)
     if dtype is not None and dtype != send.dtype:
         send = send.to(dtype)  # cast the shard, then gather: less traffic
     flat = torch.empty(send.numel() * world_size, dtype=send.dtype, device=send.device)
-    wait_for(dist.all_gather_into_tensor(flat, send, group=group, async_op=True), timeout)
+    wait_for(dist.all_gather_single(flat, send, group=group, async_op=True), timeout)
     return flat
 
 

@@ -172,7 +172,7 @@ class GradientReducer:
             recv = send.view(self.world_size, bucket.used)[self._rank]
         else:
             recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
-            work = dist.reduce_scatter_tensor(recv, send.view(-1), group=self.group, async_op=True)
+            work = dist.reduce_scatter_single(recv, send.view(-1), group=self.group, async_op=True)
         c = self.comm.counters
         c.reduce_scatter_bytes += send.numel() * send.element_size()
         c.reduce_bytes += send.numel() * send.element_size()

@@ -14,7 +14,8 @@ from typing import Any, Iterator, List
 import torch
 import torch.distributed as dist
 
-_METHODS = ("reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced")
+_METHODS = ("reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced",
+            "reduce_scatter_single_coalesced")
 _ALL_REDUCE_METHODS = ("allreduce",)
 
 

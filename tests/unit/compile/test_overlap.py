@@ -62,6 +62,56 @@ def test_memory_plan_counts_the_run_in_flight():
 
 
 # ----- rank functions (module level: each rank imports them by name) ---------------------------------------
+def _rank_gather_forms() -> Dict:
+    """Two runs of made-up sharded parameters (one in flight ahead), gathered by ``GatherRuns`` in chunks, in fp32
+    and cast to bf16, once in each form of the collective: rows copied out, and gloo's per-parameter receive. What
+    each form hands over, and the live gathered bytes it recorded on the way."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.compile.runtime import z3_runs
+    from deepspeed.compile.runtime.comm import CommLog
+    from deepspeed.compile.runtime.ops import encode_plan
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    widths = [700, 300, 1000, 50, 600]  # shard elements; the last shard of each parameter padded, as ZeRO-3 pads
+
+    def shard(ds_id: int, of_rank: int) -> torch.Tensor:
+        return torch.arange(widths[ds_id], dtype=torch.float32) / 7 + 1000 * ds_id + 100 * of_rank
+
+    params = {}
+    for ds_id, width in enumerate(widths):
+        param = torch.nn.Parameter(torch.empty(0))
+        param.ds_id, param.ds_numel, param.ds_shape = ds_id, width * world - 3, (width * world - 3, )
+        param.ds_tensor = shard(ds_id, rank)
+        params[ds_id] = param
+    first = [(0, None), (1, torch.bfloat16), (2, None), (3, torch.bfloat16)]  # two dtypes: two collectives
+    second = [(4, torch.bfloat16), (0, torch.bfloat16)]
+    out = {}
+    z3_runs.GATHER_CHUNK_NUMEL = 1200  # several chunks a run
+    for per_param in (True, False):
+        comm = CommLog(timeout_s=60)
+        got = {}
+
+        def add(param, dtype, flat, shard):
+            got[(param.ds_id, dtype)] = flat.clone()
+            comm.add_live_bytes(flat.numel() * flat.element_size(), eager=False)  # as the runtime counts it
+
+        runs = z3_runs.GatherRuns(params, {i: f"p{i}" for i in params}, group=None, world_size=world,
+                                  device=torch.device("cpu"), shards_offloaded=False, native_start=False,
+                                  prefetch_across_graphs=False, comm=comm, is_gathered=lambda key: key in got,
+                                  add_gathered=add, name=lambda p: f"p{p.ds_id}")
+        runs._per_param = per_param  # the rows form is what other backends than gloo get
+        runs.run(encode_plan(first, second), 0, params[0])  # gathers the first run, starts the second
+        started_ahead = runs.has_inflight
+        runs.finish_inflight()
+        out[per_param] = {"got": got, "live": comm.counters.live_gathered_bytes, "started_ahead": started_ahead,
+                          "peak": comm.counters.peak_gathered_bytes, "collectives": comm.counters.allgather_collectives}
+    out["expected"] = {(ds_id, dtype or torch.float32): torch.cat([shard(ds_id, r) for r in range(world)]).to(dtype or torch.float32)
+                       for ds_id, dtype in first + second}
+    return out
+
+
 def _rank_coalesced(layers: int, backend: str, prefetch_numel: int, steps: int, keep=None) -> Dict:
     import deepspeed
     import torch.distributed as dist
@@ -96,6 +146,25 @@ def _rank_coalesced(layers: int, backend: str, prefetch_numel: int, steps: int, 
                largest=max(p.ds_numel * p.ds_tensor.element_size() for p in runtime.sharded.values()))
     engine.destroy()
     return out
+
+
+def test_both_forms_of_a_runs_collective_hand_over_the_same_parameters():
+    """A run's collective received as rows and copied out (other backends) and received straight into each
+    parameter's buffer (gloo): every parameter bitwise what the ranks' shards concatenate to, in its gather dtype, and
+    the live gathered bytes back to what was handed over. The per-parameter form never holds a run's buffer beside
+    the copies out of it, so its recorded peak is lower."""
+    for r in run_distributed(_rank_gather_forms, timeout_s=120):
+        expected = r["expected"]
+        for per_param in (True, False):
+            form = r[per_param]
+            assert form["started_ahead"], per_param
+            assert set(form["got"]) == set(expected), per_param
+            for key, tensor in expected.items():
+                assert form["got"][key].dtype == tensor.dtype and torch.equal(form["got"][key], tensor), (per_param, key)
+            assert form["live"] == sum(t.numel() * t.element_size() for t in expected.values()), per_param
+            assert form["collectives"] > 3, per_param  # several chunks, and a collective per dtype of a run
+        assert r[True]["collectives"] == r[False]["collectives"]
+        assert r[True]["peak"] < r[False]["peak"], (r[True]["peak"], r[False]["peak"])
 
 
 def test_in_flight_bound_holds_on_the_12_block_gpt():
