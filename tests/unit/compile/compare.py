@@ -67,7 +67,8 @@ def train_and_record(engine, model: str, steps: int, grad_steps: int, compile_kw
     def record_live(e):
         runtime = runtime_of(e, active_only=False)
         if runtime is not None:
-            live_after_step.append(getattr(runtime.counters, "live_gathered_bytes", 0))  # ZeRO-1/2 gather nothing
+            # ZeRO-1/2 gather nothing; a ZeRO-3 runtime must have the counter (no silent 0 if it were renamed)
+            live_after_step.append(runtime.counters.live_gathered_bytes if e.zero_optimization_stage() == 3 else 0)
         grad_norms.append(float(e.get_global_grad_norm()))
         if not master_after_first:
             master_after_first.append(master_params(e))

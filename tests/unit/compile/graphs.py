@@ -30,7 +30,7 @@ PARAM_VIEWS = {aten.t.default, aten.view.default, aten.slice.Tensor, aten.transp
 
 class FakeRuntime:
     """Stands in for the ZeRO-3 runtime behind the graph ops: a gather returns a copy of the stored full tensor in
-    the requested dtype. Every call is recorded in ``calls`` as ``(op, ds_id, detail)``: the gather's dtype, the
+    the requested dtype, and a release poisons that copy. Every call is recorded in ``calls`` as ``(op, ds_id, detail)``: the gather's dtype, the
     released tensor's dtype, a copy of the reduced gradient. Registered on creation (``id``); the registry holds it
     weakly, so keep a reference as long as a graph that uses it runs."""
 
@@ -45,7 +45,10 @@ class FakeRuntime:
         return param.detach().to(dtype or param.dtype, copy=True)
 
     def release(self, gathered: torch.Tensor, ds_id: int) -> None:
+        """Poisons the released copy with NaN (the runtime frees it; reading freed storage could crash the test
+        process): a reader scheduled after the release makes the graph's results differ."""
         self.calls.append(("release", ds_id, gathered.dtype))
+        gathered.fill_(float("nan"))
 
     def reduce_op(self, grad: torch.Tensor, ds_id: int, param: Optional[torch.Tensor]) -> None:
         self.calls.append(("reduce", ds_id, grad.clone()))

@@ -156,6 +156,10 @@ def _dropout_run(options):
             out["evals"].append(engine(*make_batch("dropout", 99, rank)).item())
         engine.train()
 
+    engine.eval()
+    with torch.no_grad():  # the first batch's loss without dropout, with the weights it is trained on first
+        out["first_batch_eval"] = engine(*make_batch("dropout", 0, rank)).item()
+    engine.train()
     for step in range(3):
         torch.manual_seed(step)
         loss = engine(*make_batch("dropout", step, rank))
@@ -193,6 +197,9 @@ def test_inductor_trains_a_model_with_dropout():
         assert all(v <= FP32_TOL for v in worst.values()), worst
         assert all(math.isfinite(x) for x in default["losses"] + default["evals"]), default
         assert default["evals"][-1] == default["evals"][-2]  # no dropout in evaluation
+        for run in (eager, same, default):  # ... and dropout in training, on the same weights and batch
+            assert run["losses"][0] != run["first_batch_eval"], run
+        assert default["losses"][0] != same["losses"][0], (default["losses"], same["losses"])  # inductor's masks
 
 
 def _checkpointed_pair():

@@ -66,23 +66,25 @@ def test_fp32_matches_eager_zero3(model, optimizer):
             assert r["saved"]["other_bytes"] > 0
 
 
-def _bf16_pair(dtype):
+def _bf16_pair(dtype, section):
     """The compiled engine and eager ZeRO-3 in ``dtype`` under SGD, and eager ZeRO-3's fp32 gradient at step 0."""
     from compare import run_eager, run_pair
-    r = run_pair("gpt", STEPS, dtype=dtype, optimizer="sgd", grad_steps=1)
+    r = run_pair("gpt", STEPS, dtype=dtype, optimizer="sgd", grad_steps=1, compile_section=section)
     r["fp32_grads"] = run_eager("gpt", 1, optimizer="sgd", grad_steps=1)["eager_grads"]
     return r
 
 
-@pytest.mark.parametrize("dtype", ["autocast", "bf16"])
-def test_bf16_matches_eager_zero3(dtype):
+# autocast with the default partitioner too: test_partitioner_and_fused_cast_effects compares its losses only
+@pytest.mark.parametrize("dtype, section", [("autocast", {}), ("bf16", {}), ("autocast", {"partitioner": "default"})],
+                         ids=["autocast", "bf16", "autocast-default-partition"])
+def test_bf16_matches_eager_zero3(dtype, section):
     from compare import check_bf16_against_eager, loss_fell
-    for r in run_distributed(_bf16_pair, dtype):
+    for r in run_distributed(_bf16_pair, dtype, section):
         assert r["active"] and r["live_after_step"] == [0] * STEPS
         assert loss_fell(r["losses"], by=0.002), r["losses"]
         measured = check_bf16_against_eager(r, dtype)
         print(f"{dtype}: " + ", ".join(f"{k} {v:.3g}" for k, v in measured.items()))
-        assert r["saved"]["param_bytes"] == 0, r["saved"]
+        assert (r["saved"]["param_bytes"] == 0) == (not section), r["saved"]  # the default partition saves them
         if dtype == "bf16":  # the bf16 parameters are the fp32 master weights rounded, on both engines
             for key in ("", "eager_"):
                 params, master = r[key + "params"], r[key + "master"]
