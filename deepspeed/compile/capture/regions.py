@@ -13,7 +13,7 @@ parameter-owning leaf modules outside the blocks (embedding, final norm, head) a
 too at ZeRO stage 3, since dynamo never starts a frame inside ``torch.nn``; only parameters that the Python frame
 reads itself are gathered on access (``runtime/eager_access.py``).
 """
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from deepspeed.utils import logger
@@ -58,11 +58,14 @@ def kv_cache_warning(module: nn.Module) -> Optional[str]:
     return None
 
 
-def install(module: nn.Module, backend: Callable, stage: int, compile_kwargs: Optional[Dict] = None) -> List[nn.Module]:
+def install(module: nn.Module, backend: Callable, stage: int, compile_kwargs: Optional[Dict] = None,
+            returned: Optional[Callable[[Any], None]] = None) -> List[nn.Module]:
     """Compile the repeated blocks of ``module`` as graphs of their own (one compiled function per block class), and
     at ZeRO stage 3 the parameter-owning modules outside them as regions of their own (:func:`outer_leaves`); returns
     the blocks (``check`` has accepted the module). ``compile_kwargs``: ``torch.compile``'s ``fullgraph`` and
-    ``dynamic`` for these compiles, as ``engine.compile(compile_kwargs=...)`` gave them."""
+    ``dynamic`` for these compiles, as ``engine.compile(compile_kwargs=...)`` gave them. ``returned`` (ZeRO-3) is
+    given each block call's output: a block may hand one of its parameters back to the model's frame, which often
+    runs as Python, and dynamo returns it holding its stand-in (``EagerAccess.gather_returned`` gathers it)."""
     warning = kv_cache_warning(module)
     if warning is not None:
         logger.warning(f"deepspeed-compile: {warning}")
@@ -75,7 +78,7 @@ def install(module: nn.Module, backend: Callable, stage: int, compile_kwargs: Op
         return compiled[cls]
 
     for block in blocks:
-        block.forward = _trampoline(compiled_forward(type(block)), block)
+        block.forward = _trampoline(compiled_forward(type(block)), block, returned)
     for leaf in outer_leaves(module, blocks) if stage == 3 else ():
         leaf.forward = _compiled_leaf(compiled_forward(type(leaf)), leaf)
     return blocks
@@ -111,10 +114,13 @@ def _compiled_leaf(compiled: Callable, leaf: nn.Module) -> Callable:
     return forward
 
 
-def _trampoline(compiled: Callable, block: nn.Module) -> Callable:
+def _trampoline(compiled: Callable, block: nn.Module, returned: Optional[Callable[[Any], None]]) -> Callable:
     @torch.compiler.disable(recursive=True)
     def forward(*args, **kwargs):
-        return compiled(block, *args, **kwargs)
+        output = compiled(block, *args, **kwargs)
+        if returned is not None:
+            returned(output)
+        return output
 
     setattr(forward, _TRAMPOLINE, True)
     return forward

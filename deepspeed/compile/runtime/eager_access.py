@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch.nn import Parameter
+from torch.utils import _pytree as pytree
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,13 @@ class EagerAccess:
                 and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
             param.all_gather()
             self.record_gathered_param(param)
+
+    def gather_returned(self, output) -> None:
+        """Gather the ZeRO-3 parameters in a compiled region's ``output`` (a module that returns its own parameter for
+        its caller to use): dynamo returns such a graph input from the frame itself, holding its stand-in, and the
+        caller's code runs eagerly. Eager ZeRO-3 gathers a returned parameter for its caller too."""
+        for item in pytree.tree_leaves(output):
+            self.gather(item)
 
     def note_reused_graph(self) -> None:
         if not self._warned_reuse:

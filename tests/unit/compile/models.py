@@ -221,10 +221,39 @@ class RoutedMoE(nn.Module):
         return F.mse_loss(self.head(self.moe(self.inp(x))), y)
 
 
+class GatedBlock(nn.Module):
+    """A block that hands its gate parameter back as it is, for its caller to apply."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.gate = nn.Parameter(torch.full((dim, ), 0.5))
+
+    def forward(self, x: torch.Tensor):
+        return torch.tanh(self.lin(x)), self.gate
+
+
+class GatedBlocks(nn.Module):
+    """Repeated blocks that each return their gate parameter to the model's frame, which applies it: under
+    ``regions: "blocks"`` that frame runs as Python, and the parameter it gets back from a compiled block is the
+    one dynamo returns as it is (``EagerAccess.gather_returned``)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.blocks = nn.ModuleList([GatedBlock(dim) for _ in range(2)])
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h, gate = block(x)
+            x = x + h * gate
+        return F.mse_loss(self.head(x), y)
+
+
 MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "gpt_checkpointed": CheckpointedGPT,
           "gpt_checkpointed_non_reentrant": NonReentrantCheckpointedGPT,
           "gpt_checkpointed_megatron": MegatronStyleCheckpointedGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP,
-          "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP}
+          "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP, "gated": GatedBlocks}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
@@ -235,7 +264,7 @@ def make_model(name: str, seed: int = 0) -> nn.Module:
 def make_batch(name: str, step: int, rank: int, batch: int = 4):
     """A deterministic batch per (step, rank) whose targets are a fixed function of its inputs."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name in ("mlp", "branchy", "moe", "dropout"):
+    if name in ("mlp", "branchy", "moe", "dropout", "gated"):
         x = torch.randn(batch, 16, generator=g)
         return x, 0.5 * torch.roll(x, 1, dims=-1)
     if name.startswith("gpt"):

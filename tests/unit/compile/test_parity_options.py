@@ -101,6 +101,24 @@ def test_fp32_option_matches_eager_zero3(results, option):
         assert all(out[option]["saved"]["param_bytes"] == 0 for out in results)
 
 
+def _graph_returning_a_parameter():
+    from compare import run_pair
+    return run_pair("gated", STEPS, compile_section={"regions": "blocks"}, grad_steps=2)
+
+
+def test_a_block_returning_its_parameter_under_regions_blocks():
+    """A block hands its gate parameter back to the model's frame, which multiplies by it as Python (dynamo cannot
+    resume inside the loop over the blocks): that frame got the parameter holding its stand-in and computed with it
+    (backward then stopped with StandinReadError). Each returned parameter is gathered for it now, as eager ZeRO-3
+    gathers a returned parameter for the caller, and training is eager ZeRO-3's bit for bit."""
+    from compare import assert_bitwise_equal, loss_fell
+    for r in run_distributed(_graph_returning_a_parameter, timeout_s=240):
+        assert r["active"] and r["live_after_step"] == [0] * STEPS and r["counters"]["gathers"] > 0
+        assert r["counters"]["eager_gathers"] == 2 * STEPS, r["counters"]  # the two gates, once a step
+        assert_bitwise_equal(r)
+        assert loss_fell(r["losses"], by=0.01), r["losses"]
+
+
 def test_unfused_cast_matches_eager_zero3_under_autocast(results):
     from compare import check_bf16_against_eager, unequal
     for out in results:
