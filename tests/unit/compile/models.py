@@ -250,10 +250,23 @@ class GatedBlocks(nn.Module):
         return F.mse_loss(self.head(x), y)
 
 
+class GatedBlocksWithBreak(GatedBlocks):
+    """The same, with a graph break in the loop: dynamo runs the model's frame as Python at any ``regions``, and the
+    block frames it compiles return their gates as they are."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h, gate = block(x)
+            torch._dynamo.graph_break()
+            x = x + h * gate
+        return F.mse_loss(self.head(x), y)
+
+
 MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "gpt_checkpointed": CheckpointedGPT,
           "gpt_checkpointed_non_reentrant": NonReentrantCheckpointedGPT,
           "gpt_checkpointed_megatron": MegatronStyleCheckpointedGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP,
-          "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP, "gated": GatedBlocks}
+          "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP, "gated": GatedBlocks,
+          "gated_break": GatedBlocksWithBreak}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
@@ -264,7 +277,7 @@ def make_model(name: str, seed: int = 0) -> nn.Module:
 def make_batch(name: str, step: int, rank: int, batch: int = 4):
     """A deterministic batch per (step, rank) whose targets are a fixed function of its inputs."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name in ("mlp", "branchy", "moe", "dropout", "gated"):
+    if name in ("mlp", "branchy", "moe", "dropout", "gated", "gated_break"):
         x = torch.randn(batch, 16, generator=g)
         return x, 0.5 * torch.roll(x, 1, dims=-1)
     if name.startswith("gpt"):
