@@ -10,6 +10,11 @@ the suite. Once a rank has failed, the others get ``FAILURE_GRACE_S`` to finish 
 failure) before they are killed: they would otherwise wait in a collective the failed rank never joins.
 Whatever ends the call (a result, a failure, pytest-timeout's exception, Ctrl-C), no rank outlives it.
 
+Each rank's stdout and stderr go to a log of its own, written to the caller's stderr when the call ends (pytest shows
+it with a failed test). A rank that dies of a signal (an abort in gloo's or torch's C++, a segfault) writes every
+thread's Python stack there first (``faulthandler``), and so does a rank killed for running late; the failure's
+message ends with the last lines of the log of each rank that crashed or was killed.
+
 Each rank is forked from a server process that imported torch, DeepSpeed and the test helpers once
 (``multiprocessing``'s forkserver with a preload list): a fresh process with nothing initialized, as a spawned
 one, without paying 5 s of imports per rank and call. It runs with the caller's environment at the call.
@@ -18,9 +23,12 @@ one, without paying 5 s of imports per rank and call. It runs with the caller's 
 is reported by this harness, with its name, rather than by pytest-timeout.
 """
 import datetime
+import faulthandler
 import importlib
 import os
 import pickle
+import signal
+import sys
 import tempfile
 import time
 import tomllib
@@ -42,6 +50,10 @@ PYTEST_TIMEOUT_S = _pytest_timeout_s()
 TEARDOWN_MARGIN_S = 30.0
 MAX_TIMEOUT_S = PYTEST_TIMEOUT_S - TEARDOWN_MARGIN_S
 FAILURE_GRACE_S = 10.0
+# a rank to be killed is first asked for its threads' stacks (SIGUSR1, faulthandler) and given this long to write them
+STACKS_GRACE_S = 1.0
+# lines of a crashed or killed rank's log quoted in the failure's message
+LOG_TAIL_LINES = 80
 
 
 class RankFailure(AssertionError):
@@ -74,6 +86,14 @@ def _rank_main(module_name: str, fn_name: str, args: tuple, rank: int, world_siz
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    # the fork server's stdout and stderr are whatever they were when the first call started it (under pytest a
+    # capture file read long ago): each rank logs to a file of its own instead, C++ writes (gloo's abort) included
+    log = os.open(_log_path(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    faulthandler.enable(all_threads=True)  # SIGSEGV, SIGABRT, ...: every thread's Python stack, then the default
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks a rank it is about to kill
     result_path = os.path.join(workdir, f"rank{rank}.pkl")
     try:
         import torch
@@ -89,7 +109,36 @@ def _rank_main(module_name: str, fn_name: str, args: tuple, rank: int, world_siz
     with open(result_path + ".tmp", "wb") as f:
         pickle.dump(outcome, f)
     os.replace(result_path + ".tmp", result_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: gloo threads of a failed rank must not block exit
+
+
+def _log_path(workdir: str, rank: int) -> str:
+    return os.path.join(workdir, f"rank{rank}.log")
+
+
+def _log_tail(workdir: str, rank: int) -> str:
+    try:
+        with open(_log_path(workdir, rank), errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def _kill(procs: List[mp.Process], ranks: List[int]) -> None:
+    """Kill ``ranks``, each asked for its threads' stacks first (faulthandler writes them to its log from the signal
+    handler and the rank runs on)."""
+    for rank in ranks:
+        try:
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+        except ProcessLookupError:  # it has just exited
+            pass
+    if ranks:
+        time.sleep(STACKS_GRACE_S)
+    for rank in ranks:
+        procs[rank].kill()
 
 
 def _outcome(workdir: str, rank: int) -> Optional[tuple]:
@@ -132,12 +181,17 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout_s: fl
             _wait(procs, workdir, timeout_s)
         finally:  # also when pytest-timeout (or anything else) interrupts the wait: no rank may outlive the test
             still_running = [rank for rank, p in enumerate(procs) if p.pid is not None and p.is_alive()]
-            for rank in still_running:
-                procs[rank].kill()
+            _kill(procs, still_running)
             for p in procs:
                 if p.pid is not None:
                     p.join()
+            for rank in range(world_size):  # pytest shows the caller's stderr with a failed test
+                if os.path.exists(_log_path(workdir, rank)):
+                    sys.stderr.write(f"--- rank {rank} log ---\n")
+                    with open(_log_path(workdir, rank), errors="replace") as f:
+                        sys.stderr.write(f.read())
         outcomes = [_outcome(workdir, rank) for rank in range(world_size)]
+        tails = {rank: _log_tail(workdir, rank) for rank, o in enumerate(outcomes) if o is None}
     errors = [(rank, o[1]) for rank, o in enumerate(outcomes) if o is not None and o[0] == "error"]
     missing = [f"rank {rank} (exit code {procs[rank].exitcode})" for rank, o in enumerate(outcomes)
                if o is None and rank not in still_running]
@@ -148,7 +202,14 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout_s: fl
         if still_running:
             message += (f"\n{fn.__name__}: rank(s) {still_running} were still running "
                         f"{FAILURE_GRACE_S:.0f} s after the first failure and were killed")
-        raise RankFailure(message)
+        raise RankFailure(message + _tails_text(tails))
     if still_running:
-        raise RankTimeout(f"{fn.__name__}: rank(s) {still_running} did not finish within {timeout_s:.0f} s")
+        raise RankTimeout(f"{fn.__name__}: rank(s) {still_running} did not finish within {timeout_s:.0f} s"
+                          + _tails_text(tails))
     return [o[1] for o in outcomes]
+
+
+def _tails_text(tails: dict) -> str:
+    """The last lines of each crashed or killed rank's log: its abort message, its threads' stacks."""
+    return "".join(f"\n--- rank {rank}: last {LOG_TAIL_LINES} lines of its log ---\n{tail}"
+                   for rank, tail in sorted(tails.items()))

@@ -281,11 +281,38 @@ def _hang_in_collective():
 
 
 def test_harness_reports_hung_collective():
-    # the collective itself never times out (600 s): only the harness's own deadline can end this
+    """The collective itself never times out (600 s): only the harness's own deadline can end this. Each killed
+    rank's Python stack is in the message: where it hung."""
     start = time.monotonic()
-    with pytest.raises(RankTimeout, match=r"rank\(s\) \[0, 1\] did not finish within 6 s"):
+    with pytest.raises(RankTimeout, match=r"rank\(s\) \[0, 1\] did not finish within 6 s") as info:
         run_distributed(_hang_in_collective, timeout_s=6, collective_timeout_s=600)
     assert time.monotonic() - start < 30
+    message = str(info.value)
+    stacks = message.split("--- rank 1: last")
+    assert len(stacks) == 2 and "--- rank 0: last" in stacks[0], message
+    assert "in _hang_in_collective" in stacks[0] and "all_reduce" in stacks[0], message
+    assert "in _hang_in_collective" in stacks[1] and "all_reduce" not in stacks[1], message
+
+
+def _abort_on_rank_1():
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        print("rank 1 about to abort", flush=True)
+        os.abort()  # as gloo's C++ does on an exception in its own threads (SIGABRT, exit code -6)
+    return "ok"
+
+
+def test_harness_reports_a_crashed_ranks_last_words():
+    """A rank killed by a signal leaves no traceback of its own: its log's last lines (what it printed, then
+    faulthandler's dump of its threads' stacks) are in the message. CI once showed only 'rank 1 (exit code -6)'."""
+    with pytest.raises(RankFailure) as info:
+        run_distributed(_abort_on_rank_1, timeout_s=60)
+    message = str(info.value)
+    assert "rank 1 (exit code -6) exited without a result (crashed)" in message, message
+    tail = message.split("--- rank 1: last")[1]
+    assert "rank 1 about to abort" in tail and "Fatal Python error: Aborted" in tail, message
+    assert "in _abort_on_rank_1" in tail, message
+    assert "--- rank 0: last" not in message  # rank 0 returned
 
 
 def test_harness_reports_collective_timeout_as_failure():
