@@ -21,6 +21,7 @@ process never see each other's.
 """
 import contextvars
 import logging
+import types
 from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional
 
@@ -62,12 +63,58 @@ def keep_getter_eager() -> None:
     runs eagerly, the getter would otherwise be compiled (where ``torch.compiler.is_compiling()`` makes it hand
     back the stand-in), and so would ZeRO-3's ``all_gather`` it calls to gather on access (dynamo breaks that
     code into partial graphs). Skipping is recursive for the getter's callees, and only for frames entered from
-    eager code: dynamo still inlines the getter inside compiled frames. (``torch._dynamo.reset()`` forgets this;
-    the runtime sets it again at every forward.)"""
+    eager code: dynamo still inlines the getter inside compiled frames. Likewise :func:`forward_gathering_returned`
+    is never a frame of its own, but the module's own ``forward`` it calls is compiled as before, and the gather
+    after it runs as Python. (``torch._dynamo.
+    reset()`` forgets these; the runtime sets them again at every forward.)"""
     from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
     from torch._dynamo.types import FrameAction, FrameExecStrategy
     torch._C._dynamo.eval_frame.set_code_exec_strategy(ZeROOrderedDict.__getitem__.__code__,
                                                        FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    torch._C._dynamo.eval_frame.set_code_exec_strategy(forward_gathering_returned.__code__,
+                                                       FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
+    torch._C._dynamo.eval_frame.set_code_exec_strategy(_gather_for_caller.__code__,
+                                                       FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+# A module whose forward returns one of its parameters as it is (a gate, a scale) hands its caller that parameter
+# holding its stand-in when dynamo compiled the module's frame on its own and runs the caller's as Python (a graph
+# break in the loop over the blocks): the parameter leaves the compiled frame as the graph input it is, not as a
+# graph output, so no graph op can gather it. While DeepCompile runs, such modules' ``forward`` is this function
+# (bound to the module): called from Python, it runs as Python and gathers what the module's own forward, compiled
+# as before, returned, as eager ZeRO-3 gathers a returned parameter for the caller; inside a compiled frame dynamo
+# traces through it and it adds nothing to the graph.
+def forward_gathering_returned(self, *args, **kwargs):
+    output = type(self).forward(self, *args, **kwargs)
+    if not torch.compiler.is_compiling():
+        _gather_for_caller(output)
+    return output
+
+
+def _gather_for_caller(output) -> None:
+    """Run as Python with everything it calls (never compiled: a ZeRO-3 gather is no graph)."""
+    access = active()
+    if access is not None:
+        access.gather_returned(output)
+
+
+def install_forwards_gathering_returned(root: torch.nn.Module) -> List[torch.nn.Module]:
+    """Give the submodules of ``root`` that hold parameters :func:`forward_gathering_returned` as their ``forward``;
+    returns them. Left out: ``torch.nn``'s own modules (dynamo never starts a frame in them, and none returns a
+    parameter) and a module whose ``forward`` is already set on the instance (``regions: "blocks"``, accelerate's
+    hooks). Bound as a method of the module, so a deep copy of the model calls its own copy."""
+    modules = [m for m in root.modules() if m is not root and "forward" not in m.__dict__
+               and not type(m).__module__.startswith("torch.nn.") and any(True for _ in m.parameters())]
+    for module in modules:
+        module.forward = types.MethodType(forward_gathering_returned, module)
+    return modules
+
+
+def uninstall_forwards_gathering_returned(modules: List[torch.nn.Module]) -> None:
+    for module in modules:
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__func__", None) is forward_gathering_returned:
+            del module.forward
 
 
 class EagerAccess:

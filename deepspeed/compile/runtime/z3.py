@@ -24,7 +24,8 @@ from torch.nn import Parameter
 from ..native.gather import cast_all_gather_python, load_native
 from . import registry, standins
 from .comm import CommLog, Counters
-from .eager_access import EagerAccess
+from .eager_access import (EagerAccess, install_forwards_gathering_returned,
+                           uninstall_forwards_gathering_returned)
 from .z3_reduce import GradientReducer
 from .z3_runs import GatherRuns, shard_state
 
@@ -110,6 +111,8 @@ class Z3Runtime:
         self._outside_depth = 0  # nested submodule calls of the outside call running now
         self._outside_exit: Optional[ExitStack] = None
         self._install_outside_hooks()
+        # a submodule that returns its own parameter to a caller run as Python gets it gathered (eager_access.py)
+        self._gathering_returned = install_forwards_gathering_returned(engine.module)
         self.id = registry.register(self)
 
     @property
@@ -315,6 +318,8 @@ class Z3Runtime:
         self.eager.release()
         self.eager.remove_grad_hooks()
         self._remove_outside_hooks()
+        uninstall_forwards_gathering_returned(self._gathering_returned)
+        self._gathering_returned = []
         standins.uninstall(self.params.values())
 
     def prepare_uncompiled(self, params: List[Parameter]) -> None:
