@@ -65,8 +65,8 @@ def keep_getter_eager() -> None:
     code into partial graphs). Skipping is recursive for the getter's callees, and only for frames entered from
     eager code: dynamo still inlines the getter inside compiled frames. Likewise :func:`forward_gathering_returned`
     is never a frame of its own, but the module's own ``forward`` it calls is compiled as before, and the gather
-    after it runs as Python. (``torch._dynamo.
-    reset()`` forgets these; the runtime sets them again at every forward.)"""
+    after it runs as Python. (``torch._dynamo.reset()`` forgets these; the runtime sets them again at every
+    forward.)"""
     from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
     from torch._dynamo.types import FrameAction, FrameExecStrategy
     torch._C._dynamo.eval_frame.set_code_exec_strategy(ZeROOrderedDict.__getitem__.__code__,
