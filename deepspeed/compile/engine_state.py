@@ -199,8 +199,7 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         from .capture import regions
         compile_kwargs = compile_kwargs or {}
         regions.install(engine.module, compile_graph, stage,
-                        {key: compile_kwargs[key] for key in ("fullgraph", "dynamic") if key in compile_kwargs},
-                        returned=runtime.eager.gather_returned if stage == 3 else None)
+                        {key: compile_kwargs[key] for key in ("fullgraph", "dynamic") if key in compile_kwargs})
     return compile_graph
 
 

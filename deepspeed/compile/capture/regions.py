@@ -13,11 +13,13 @@ parameter-owning leaf modules outside the blocks (embedding, final norm, head) a
 too at ZeRO stage 3, since dynamo never starts a frame inside ``torch.nn``; only parameters that the Python frame
 reads itself are gathered on access (``runtime/eager_access.py``).
 """
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from deepspeed.utils import logger
 from torch import nn
+
+from ..runtime.eager_access import gather_for_caller
 
 _TRAMPOLINE = "_dsc_block_trampoline"  # marks a block forward installed here
 
@@ -58,14 +60,13 @@ def kv_cache_warning(module: nn.Module) -> Optional[str]:
     return None
 
 
-def install(module: nn.Module, backend: Callable, stage: int, compile_kwargs: Optional[Dict] = None,
-            returned: Optional[Callable[[Any], None]] = None) -> List[nn.Module]:
+def install(module: nn.Module, backend: Callable, stage: int, compile_kwargs: Optional[Dict] = None) -> List[nn.Module]:
     """Compile the repeated blocks of ``module`` as graphs of their own (one compiled function per block class), and
     at ZeRO stage 3 the parameter-owning modules outside them as regions of their own (:func:`outer_leaves`); returns
     the blocks (``check`` has accepted the module). ``compile_kwargs``: ``torch.compile``'s ``fullgraph`` and
-    ``dynamic`` for these compiles, as ``engine.compile(compile_kwargs=...)`` gave them. ``returned`` (ZeRO-3) is
-    given each block call's output: a block may hand one of its parameters back to the model's frame, which often
-    runs as Python, and dynamo returns it holding its stand-in (``EagerAccess.gather_returned`` gathers it)."""
+    ``dynamic`` for these compiles, as ``engine.compile(compile_kwargs=...)`` gave them. A block may hand one of its
+    parameters back to the model's frame, which often runs as Python, and dynamo returns it holding its stand-in: the
+    trampoline gathers it at ZeRO-3 (``eager_access.gather_for_caller``, as any module's forward does there)."""
     warning = kv_cache_warning(module)
     if warning is not None:
         logger.warning(f"deepspeed-compile: {warning}")
@@ -78,7 +79,7 @@ def install(module: nn.Module, backend: Callable, stage: int, compile_kwargs: Op
         return compiled[cls]
 
     for block in blocks:
-        block.forward = _trampoline(compiled_forward(type(block)), block, returned)
+        block.forward = _trampoline(compiled_forward(type(block)), block)
     for leaf in outer_leaves(module, blocks) if stage == 3 else ():
         leaf.forward = _compiled_leaf(compiled_forward(type(leaf)), leaf)
     return blocks
@@ -114,12 +115,11 @@ def _compiled_leaf(compiled: Callable, leaf: nn.Module) -> Callable:
     return forward
 
 
-def _trampoline(compiled: Callable, block: nn.Module, returned: Optional[Callable[[Any], None]]) -> Callable:
+def _trampoline(compiled: Callable, block: nn.Module) -> Callable:
     @torch.compiler.disable(recursive=True)
     def forward(*args, **kwargs):
         output = compiled(block, *args, **kwargs)
-        if returned is not None:
-            returned(output)
+        gather_for_caller(output)  # no-op outside a ZeRO-3 DeepCompile forward
         return output
 
     setattr(forward, _TRAMPOLINE, True)

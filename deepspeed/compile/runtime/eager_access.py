@@ -73,7 +73,7 @@ def keep_getter_eager() -> None:
                                                        FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     torch._C._dynamo.eval_frame.set_code_exec_strategy(forward_gathering_returned.__code__,
                                                        FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
-    torch._C._dynamo.eval_frame.set_code_exec_strategy(_gather_for_caller.__code__,
+    torch._C._dynamo.eval_frame.set_code_exec_strategy(gather_for_caller.__code__,
                                                        FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
@@ -87,12 +87,14 @@ def keep_getter_eager() -> None:
 def forward_gathering_returned(self, *args, **kwargs):
     output = type(self).forward(self, *args, **kwargs)
     if not torch.compiler.is_compiling():
-        _gather_for_caller(output)
+        gather_for_caller(output)
     return output
 
 
-def _gather_for_caller(output) -> None:
-    """Run as Python with everything it calls (never compiled: a ZeRO-3 gather is no graph)."""
+def gather_for_caller(output) -> None:
+    """Gather the ZeRO-3 parameters in a module's ``output`` for a caller run as Python, when a DeepCompile forward
+    is running (also the block trampoline's, ``capture/regions.py``). Run as Python with everything it calls (never
+    compiled: a ZeRO-3 gather is no graph)."""
     access = active()
     if access is not None:
         access.gather_returned(output)

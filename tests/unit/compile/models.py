@@ -236,7 +236,7 @@ class GatedBlock(nn.Module):
 class GatedBlocks(nn.Module):
     """Repeated blocks that each return their gate parameter to the model's frame, which applies it: under
     ``regions: "blocks"`` that frame runs as Python, and the parameter it gets back from a compiled block is the
-    one dynamo returns as it is (``EagerAccess.gather_returned``)."""
+    one dynamo returns as it is (``eager_access.gather_for_caller``)."""
 
     def __init__(self, dim: int = 16):
         super().__init__()
