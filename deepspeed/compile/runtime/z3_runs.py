@@ -8,10 +8,12 @@ its use. A graph may serve another module of the same code (``regions: "blocks"`
 module's parameters and are moved to the module it runs on. With ``prefetch_across_graphs`` each step's runs are
 recorded, and the last run of a graph starts the run that came next in the last step.
 
-On gloo a run's collective receives straight into each parameter's own buffer (``all_gather_single_coalesced``: one
-gloo all-gather, copied out per parameter by gloo itself); elsewhere it receives into one buffer of rows, copied out
-per parameter when it is waited for. gloo receives into a flat buffer of its own and copies out of it either way, so
-on gloo the per-parameter form saves a copy of every gathered byte (``benchmarks/gloo_collectives.py`` times both).
+A run's collective receives into one buffer of rows (rank x the run's shards), and each parameter is copied out of its
+columns when the run is waited for. Not gloo's coalesced form (``ProcessGroup.all_gather_single_coalesced``), which
+would receive straight into each parameter's own buffer and save that copy: gloo corrupts the process's heap when it
+runs that form while another collective of the group is in flight (glibc aborts, "malloc(): unaligned tcache chunk
+detected"), and a run started ahead is always in flight beside a gradient reduce or another run. Reproduced in a few
+seconds on 2 CPU ranks by ``benchmarks/gloo_collectives.py --race 60`` (the plain all-gather survives the same load).
 """
 import time
 from dataclasses import dataclass
@@ -47,9 +49,8 @@ class Plan:
 @dataclass
 class _Started:
     work: object
-    send: object  # the tensor(s) sent, kept alive until the collective is done
-    recv: Optional[Tensor]  # the rows received (world size x the members' shards), or None:
-    outputs: Optional[List[Tensor]]  # each member's own gathered buffer, received into directly (gloo)
+    send: Tensor  # kept alive until the collective is done
+    recv: Optional[Tensor]  # the rows received (world size x the members' shards)
     members: List[Parameter]
     shards: List[Tuple[int, int]]  # the members' shard_state when it was started
     dtype: torch.dtype
@@ -74,7 +75,6 @@ class GatherRuns:
         # stream; on CPU the shards are concatenated and cast in one copy (the op takes one shard, so it would copy
         # the run twice)
         self.native_start = native_start
-        self._per_param = dist.get_backend(group) == "gloo"  # receive into each parameter's buffer (module docstring)
         self.prefetch_across_graphs = prefetch_across_graphs
         self.comm = comm
         self._is_gathered, self._add_gathered, self._name = is_gathered, add_gathered, name
@@ -198,7 +198,7 @@ class GatherRuns:
 
     def _start(self, members: List[Parameter], dtype: torch.dtype) -> _Started:
         """One all-gather for several parameters, started: each rank sends its shards, cast first (by the native op's
-        start form, or by the copy that concatenates them, or one by one for gloo's per-parameter form)."""
+        start form, or by the copy that concatenates them)."""
         states = [shard_state(p) for p in members]
         shards = [p.ds_tensor.reshape(-1) for p in members]
         widths = [s.numel() for s in shards]
@@ -209,16 +209,11 @@ class GatherRuns:
             self.comm.counters.shard_copies += 1
         elif len(shards) == 1:
             joined = shards[0]
-        recv = outputs = None
         if self.native_start:  # the op casts into a send buffer of its own: joined shards need no copy first
             send = joined if joined is not None else torch.cat(shards)
             work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.comm.timeout)
             recv = work.flat.view(self.world_size, -1)
-        elif self._per_param:  # gloo concatenates the shards it sends itself: cast each (a no-op in its own dtype)
-            send = [s.to(dtype) for s in shards]
-            outputs = [torch.empty(s.numel() * self.world_size, dtype=dtype, device=s.device) for s in send]
-            work = (self.group or dist.group.WORLD).all_gather_single_coalesced(outputs, send)
-        else:
+        else:  # not gloo's coalesced form into each parameter's buffer: it corrupts the heap (module docstring)
             send = torch.empty(sum(s.numel() for s in shards), dtype=dtype, device=shards[0].device)
             torch.cat(shards, out=send)  # the cast, before sending, in the same copy
             recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
@@ -227,28 +222,22 @@ class GatherRuns:
         width = sum(widths)
         self.comm.issued("all-gather", members, width)
         self.comm.add_live_bytes(width * self.world_size * dtype.itemsize, eager=False)
-        return _Started(work, send, recv, outputs, members, states, dtype, time.perf_counter())
+        return _Started(work, send, recv, members, states, dtype, time.perf_counter())
 
     def _finish(self, started: _Started) -> None:
         """Wait for a started all-gather (the exposed part of its time is counted), then hand each parameter's gathered
-        buffer over, unclaimed, to wait for its own gather op: the buffer it was received into, or a copy of its
-        columns of the received rows, so that each is released on its own."""
+        buffer over, unclaimed, to wait for its own gather op: a copy of its columns of the received rows, so that
+        each is released on its own."""
         start = time.perf_counter()
         self.comm.wait(started.work,
                        lambda: "the all-gather of parameters " + ", ".join(self._name(p) for p in started.members))
         self.comm.done("all-gather", start, started.issued)
-        nbytes = sum(p.ds_tensor.numel() for p in started.members) * self.world_size * started.dtype.itemsize
-        if started.outputs is not None:  # the buffers received into become the gathered copies (counted once)
-            self.comm.add_live_bytes(-nbytes, eager=False)
-            for param, shard, flat in zip(started.members, started.shards, started.outputs):
-                self._add_gathered(param, started.dtype, flat, shard)
-        else:
-            offset = 0
-            for param, shard in zip(started.members, started.shards):
-                width = param.ds_tensor.numel()
-                flat = started.recv[:, offset:offset + width].reshape(-1)  # rows -> one contiguous buffer (a copy)
-                offset += width
-                self._add_gathered(param, started.dtype, flat, shard)
-            # the receive buffer is freed here (the copies above were live beside it)
-            self.comm.add_live_bytes(-nbytes, eager=False)
-        started.send = started.recv = started.outputs = None
+        offset = 0
+        for param, shard in zip(started.members, started.shards):
+            width = param.ds_tensor.numel()
+            flat = started.recv[:, offset:offset + width].reshape(-1)  # rows -> one contiguous buffer (a copy)
+            offset += width
+            self._add_gathered(param, started.dtype, flat, shard)
+        # the receive buffer is freed here (the copies above were live beside it)
+        self.comm.add_live_bytes(-started.recv.numel() * started.recv.element_size(), eager=False)
+        started.send = started.recv = None
