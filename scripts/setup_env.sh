@@ -11,3 +11,8 @@ python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q torch==2.13.0
 DS_BUILD_OPS=0 python -m pip install -q -r requirements/requirements-dev.txt
 python -m pip install -q .
+# DeepSpeed's CPU communication backend JIT-builds a shared-memory op (deepspeed_shm_comm_op, about a minute of C++)
+# the first time any process initializes deepspeed.comm. It is part of installing DeepSpeed here: build it now, into
+# the extensions folder .ci/run and the main job set, rather than inside whichever test or training run comes first.
+DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$PWD/build/torch_extensions" \
+    python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
