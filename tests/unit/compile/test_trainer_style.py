@@ -264,11 +264,12 @@ def test_packed_sequences_of_changing_lengths_train_as_eager_zero3():
         for case, r in by_case.items():
             eager, compiled = r[False], r[True]
             loss_tol, norm_tol = tolerances[case]
+            loss_rel, norm_rel = _max_rel(eager["losses"], compiled["losses"]), _max_rel(eager["grad_norms"],
+                                                                                          compiled["grad_norms"])
+            print(f"packed, {case}: losses within {loss_rel:.1e}, gradient norms within {norm_rel:.1e} relative")
             assert r["active"] and r["report"]["gathers"] > 0 and r["report"]["eager_gathers"] == 0, (case, r["report"])
-            assert _max_rel(eager["losses"], compiled["losses"]) <= loss_tol, (case, eager["losses"],
-                                                                              compiled["losses"])
-            assert _max_rel(eager["grad_norms"], compiled["grad_norms"]) <= norm_tol, (case, eager["grad_norms"],
-                                                                                      compiled["grad_norms"])
+            assert loss_rel <= loss_tol, (case, eager["losses"], compiled["losses"])
+            assert norm_rel <= norm_tol, (case, eager["grad_norms"], compiled["grad_norms"])
             graphs, first = compiled["graphs"], first_stable_step[case]
             assert graphs[first:] == [graphs[first]] * (PACKED_STEPS - first), f"{case}: graphs compiled by step: {graphs}"
 
