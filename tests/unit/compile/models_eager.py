@@ -15,9 +15,11 @@ VOCAB = 96
 
 
 def gpt2(seed: int = 0, break_in_block_hooks: bool = False) -> nn.Module:
+    """``transformers`` GPT-2 with one block: what these tests exercise is in GPT-2's own code around and inside a
+    block (absolute positions, the tied head, a hook's graph break); a second block only lengthened every compile."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
+    config = GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
                         eos_token_id=0, attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0,
                         attn_pdrop=0.0)
     model = GPT2LMHeadModel(config)

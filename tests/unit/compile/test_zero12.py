@@ -240,7 +240,7 @@ def test_inductor_matches_eager_zero(stage):
 
 # ----- a transformers model at DeepSpeed's default settings ------------------------------------------------------
 def _hf_defaults(stage):
-    """``transformers`` GPT-2 (2 layers) with a ZeRO section that says only the stage, as users write it."""
+    """``transformers`` GPT-2 (one block) with a ZeRO section that says only the stage, as users write it."""
     import deepspeed
     import torch
     import models_eager
