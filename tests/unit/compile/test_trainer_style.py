@@ -596,7 +596,8 @@ def _accelerate_regional(steps: int):
         warnings = RecordWarnings()
         losses, grad_norms = [], []
         for step in range(steps):
-            ids, mask, labels = _padded_batch(step, dist.get_rank())
+            # each rank its own length: one static graph per region (new lengths are the packed test's subject)
+            ids, mask, labels = _padded_batch(step, dist.get_rank(), "per_rank")
             loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
             accelerator.backward(loss)
             optimizer.step()
@@ -616,7 +617,7 @@ def test_accelerate_regional_compilation_runs_deepcompile_block_by_block():
     block by block (``regions: "blocks"``), with Accelerate's backend and ``fullgraph=True``: each block is one graph,
     while the model's own frame, which breaks at the blocks by design, is compiled without it (it failed at the first
     forward before). One warning says so. Losses and gradient norms within 1e-5 relative of eager ZeRO-3's (fp32,
-    eager backend, as above; measured: losses equal, gradient norms 1.4e-8). Blocks compiled in place by other code
+    eager backend, as above; measured: losses equal, gradient norms 2.8e-9). Blocks compiled in place by other code
     (whose backend is unknown) keep running as they are, with a warning saying how to run DeepCompile."""
     for r in run_distributed(_accelerate_regional, 3, timeout_s=400):
         eager, regional, by_hand = r["eager"], r["regional"], r["by_hand"]
