@@ -163,10 +163,10 @@ def test_coalesced_async_gathers_same_order_on_every_rank():
     one run): consecutive gathers share one collective up to the bucket, and each run's collective starts the next
     run's ahead. The runs, and which starts which, are a function of the graph: identical on both ranks (a
     difference would hang or mix up collectives), and so is each compiled graph's order of gathers and reduces.
-    Bitwise equal to eager ZeRO-3, with fewer collectives than parameter gathers. The eager backend: the inductor
-    backend's coalesced runs, started ahead and issued in the same order on both ranks, are
-    test_pipeline.py's ``test_collective_order_is_the_same_on_every_rank[inductor]``, and its parity with eager
-    ZeRO-3 test_inductor.py's."""
+    Bitwise equal to eager ZeRO-3, with fewer collectives than parameter gathers. This test runs the eager backend;
+    under inductor, coalesced runs started ahead and issued in the same order on both ranks are tested by
+    test_pipeline.py's ``test_collective_order_is_the_same_on_every_rank[inductor]`` (and on a ``transformers`` Llama
+    by test_trainer_style.py's bf16 inductor test), inductor's parity with eager ZeRO-3 by test_inductor.py."""
     overrides = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 20000}
     ranks = run_distributed(_defaults, 3, overrides, timeout_s=400)
     assert ranks[0]["deepcompile"]["plans"] == ranks[1]["deepcompile"]["plans"]
