@@ -276,8 +276,8 @@ def test_packed_sequences_of_changing_lengths_train_as_eager_zero3():
 
 FAMILIES = ("mixtral", "qwen2moe", "gemma", "bert", "peft_like", "lora")
 # Mixtral gets a new length every step (a static, then a dynamic graph): shapes that depend on the length and on the
-# routing at once. The other families keep each rank's own length: one static graph each, Qwen2-MoE's routing still
-# data-dependent within it (its 3 steps measured 24 s with a new length every step, 9 s so): the dynamic graphs of
+# routing at once. The other families keep each rank's own length: one static graph each (a dynamic MoE graph is the
+# slowest compile here), Qwen2-MoE's routing still data-dependent within it: the dynamic graphs of
 # Llama-style decoders and of GPT-2's absolute positions are the subject of the packed-sequence test above and of
 # test_eager_access.py. One decoder (encoder) layer each: what differs between the families is inside a layer, and
 # the schedule across layers (runs started ahead from one layer's gathers to the next) is what the other tests cover
