@@ -231,8 +231,12 @@ class GraphCompiler:
             if node.op == "call_function" and node.target in UNTRACED_CALLS:
                 node.target = UNTRACED_CALLS[node.target]
         gm.recompile()
-        # the user's inductor settings again: AOTAutograd compiles the backward at its first run, after compile_graph
-        patches = {**self.inductor_config, **({"size_asserts": False} if handles else {})}
+        # the user's inductor settings again: AOTAutograd compiles the backward at its first run, after compile_graph.
+        # Never inductor's layout optimization: with a convolution in the graph it gives a conv weight (a gathered
+        # parameter, or a ZeRO-1/2 parameter handed to a reduce) a channels-last copy that stands in for it at every
+        # use, and our ops find a parameter by its storage (docs/inductor.md, fix 6)
+        patches = {**self.inductor_config, "layout_optimization": False,
+                   **({"size_asserts": False} if handles else {})}
         with torch._inductor.config.patch(patches):
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
 

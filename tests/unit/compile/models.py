@@ -262,11 +262,27 @@ class GatedBlocksWithBreak(GatedBlocks):
         return F.mse_loss(self.head(x), y)
 
 
+class PatchConv(nn.Module):
+    """A patch embedding (``Conv2d``, as ViT's) and a ``Conv1d`` over the patches (as Whisper's front end) before a
+    linear head: 4-D and 3-D weights, which inductor's CPU convolutions prefer in channels-last layout."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, kernel_size=4, stride=4)
+        self.mix = nn.Conv1d(dim, dim, kernel_size=3, padding=1)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.patch(x).flatten(2)  # (batch, dim, patches)
+        h = F.gelu(self.mix(h)).mean(-1)
+        return F.mse_loss(self.head(h), y)
+
+
 MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "gpt_checkpointed": CheckpointedGPT,
           "gpt_checkpointed_non_reentrant": NonReentrantCheckpointedGPT,
           "gpt_checkpointed_megatron": MegatronStyleCheckpointedGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP,
           "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP, "gated": GatedBlocks,
-          "gated_break": GatedBlocksWithBreak}
+          "gated_break": GatedBlocksWithBreak, "conv": PatchConv}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
@@ -291,6 +307,9 @@ def make_batch(name: str, step: int, rank: int, batch: int = 4):
     if name == "buffers":
         x = torch.randn(batch, 8, 16, generator=g)
         return x, 0.5 * torch.roll(x, 1, dims=-1)
+    if name == "conv":  # 8x8 RGB images; the target: half the first 16 pixel values
+        x = torch.randn(batch, 3, 8, 8, generator=g)
+        return x, 0.5 * x.flatten(1)[:, :16]
     raise ValueError(f"unknown model {name!r}")
 
 

@@ -202,6 +202,34 @@ def test_inductor_trains_a_model_with_dropout():
         assert default["losses"][0] != same["losses"][0], (default["losses"], same["losses"])  # inductor's masks
 
 
+CONV_CASES = {"zero3, gathered again in backward": {},
+              "zero3, kept gathered for backward": {"zero_overrides": {"stage3_max_reuse_distance": 10**9}},
+              "zero2": {"stage": 2}, "zero1": {"stage": 1}}
+
+
+def _conv_pairs():
+    from compare import run_pair
+    return {case: run_pair("conv", 3, backend="inductor", optimizer="sgd", grad_steps=1, **kwargs)
+            for case, kwargs in CONV_CASES.items()}
+
+
+def test_inductor_trains_convolutions_at_every_stage():
+    """A Conv2d patch embedding and a Conv1d (ViT's and Whisper's front ends). On CPU inductor's layout optimization
+    gave every convolution weight a channels-last copy that stood in for it at all its uses, the copy handed to our
+    ops: ZeRO-3's release failed ("not a gathered parameter"), in forward when the parameter is gathered again in
+    backward and in backward when it is kept, and ZeRO-1/2's reduce did not know the parameter. Each stage against
+    eager ZeRO in the same process, within FP32_TOL."""
+    from compare import assert_ran_compiled
+    for by_case in run_distributed(_conv_pairs, timeout_s=400):
+        for case, r in by_case.items():
+            assert_ran_compiled(r)
+            if "zero3" in case:
+                assert r["counters"]["eager_gathers"] == 0 and r["counters"]["live_gathered_bytes"] == 0, (
+                    case, r["counters"])
+                assert {"patch.weight", "mix.weight"} <= set(r["gathered_params"]), (case, r["gathered_params"])
+            print(case, check_fp32_close(r))
+
+
 def _checkpointed_pair():
     from compare import run_pair
     return run_pair("gpt_checkpointed", 3, backend="inductor", optimizer="sgd", grad_steps=1)
