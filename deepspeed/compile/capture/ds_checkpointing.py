@@ -25,7 +25,15 @@ Python side effects applied once, in forward (``skip_fwd_side_effects_in_bwd_und
 ``transformers`` >= 5.25 needs: with the ``kernels`` package it requires, every attention layer sets and resets a
 module-level context variable around its forward (``use_kernelized_func``), so under gradient checkpointing each
 decoder layer broke the graph and ran uncompiled. A set-and-reset leaves nothing to replay.
+
+Hugging Face's gradient checkpointing also logs, from every checkpointed layer's forward, that it turns the layer's
+``use_cache`` off (``Logger.warning_once``, which ``transformers`` adds to every logger; ``use_cache=True`` is what a
+pretrained model's config says unless the user or Trainer set it off). Dynamo breaks the graph at a logger call it
+is not told to ignore, so such a model compiled as a graph a layer, with no gathers started ahead across layers.
+Inside a DeepCompile forward dynamo ignores ``warning_once`` (``ignore_logging_functions``): compiled frames do not
+print these one-time notices (eager ZeRO-3 and frames dynamo runs as Python still do).
 """
+import logging
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -37,15 +45,24 @@ _installed = False
 
 @contextmanager
 def deepcompile_forward() -> Iterator[None]:
-    """Around one DeepCompile forward: DeepSpeed's checkpoint functions called in it are traced as torch's, and a
-    checkpointed region's Python side effects are applied once, in forward (see the module docstring)."""
+    """Around one DeepCompile forward: DeepSpeed's checkpoint functions called in it are traced as torch's, a
+    checkpointed region's Python side effects are applied once, in forward, and ``transformers``' one-time warnings
+    do not break the graph (see the module docstring)."""
     global _forwards
     _forwards += 1
     try:
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True,
+                                        ignore_logging_functions=_ignored_logging()):
             yield
     finally:
         _forwards -= 1
+
+
+def _ignored_logging() -> set:
+    """Dynamo's ignored logging functions, with ``transformers``' ``Logger.warning_once`` once it is installed."""
+    ignored = torch._dynamo.config.ignore_logging_functions
+    warning_once = getattr(logging.Logger, "warning_once", None)
+    return ignored if warning_once is None or warning_once in ignored else ignored | {warning_once}
 
 
 def _as_deepspeed_returns(outputs):

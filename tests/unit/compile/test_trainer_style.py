@@ -87,7 +87,8 @@ def _eager_then_compiled(backend: str, bf16: bool, checkpointing: str = "", comp
     torch._dynamo.reset()
     for deepcompile in (False, True):
         torch.manual_seed(0)
-        model = tiny_llama()
+        # checkpointed: with the cache on, as a pretrained model's config has it (each layer turns it off, and logs so)
+        model = tiny_llama(use_cache=bool(checkpointing))
         if checkpointing:
             reentrant = {"reentrant": True, "non_reentrant": False}[checkpointing]
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -165,7 +166,10 @@ def test_eager_backend_fp32_with_and_without_gradient_checkpointing():
     """With Hugging Face gradient checkpointing, every decoder layer is a checkpointed region whose attention sets and
     resets a module-level variable (``transformers`` 5.25 with ``kernels``): without DeepCompile tracing that side
     effect (``capture/ds_checkpointing.py``), dynamo broke the graph at each layer and the layers ran eagerly (10
-    graphs, 56 parameters gathered on access, no run started ahead), which the collective check catches."""
+    graphs, 56 parameters gathered on access, no run started ahead), which the collective check catches. The
+    checkpointed models have ``use_cache=True``, as pretrained configs do: each layer logs that it turns the cache
+    off (``warning_once``), and dynamo broke the graph at that call too (4 graphs where 2 are compiled now, the model
+    frame run as Python between the layers)."""
     steps = 4
     results = run_distributed(_eager_backend_cases, steps, timeout_s=400)
     for case in results[0]:
@@ -174,6 +178,9 @@ def test_eager_backend_fp32_with_and_without_gradient_checkpointing():
         for case, r in by_case.items():
             assert r["active"], case
             assert r["report"]["gathers"] > 0 and r["report"]["eager_gathers"] == 0, (case, r["report"])
+            # one forward graph per shape: the plain model at its rank's length, the checkpointed ones a static, then
+            # a dynamic graph
+            assert r["report"]["graphs_compiled"] == (1 if case == "plain" else 2), (case, r["report"])
             assert _max_rel(r["eager"], r["compiled"]) <= 1e-5, (case, r["eager"], r["compiled"])
             assert _max_rel(r["eager_grad_norms"], r["compiled_grad_norms"]) <= 1e-5, (
                 case, r["eager_grad_norms"], r["compiled_grad_norms"])
