@@ -281,7 +281,7 @@ def test_packed_sequences_of_changing_lengths_train_as_eager_zero3():
             assert graphs[first:] == [graphs[first]] * (PACKED_STEPS - first), f"{case}: graphs compiled by step: {graphs}"
 
 
-FAMILIES = ("mixtral", "qwen2moe", "gemma", "bert", "peft_like", "lora")
+FAMILIES = ("mixtral", "qwen2moe", "gemma", "bert", "t5", "peft_like", "lora")
 # Mixtral gets a new length every step (a static, then a dynamic graph): shapes that depend on the length and on the
 # routing at once. The other families keep each rank's own length: one static graph each (a dynamic MoE graph is the
 # slowest compile here), Qwen2-MoE's routing still data-dependent within it: the dynamic graphs of
@@ -294,10 +294,12 @@ CHANGING_LENGTHS = ("mixtral",)
 def _family(name: str):
     """A tiny model of a `transformers` family whose code differs from Llama's where DeepCompile could trip:
     data-dependent expert routing (Mixtral, Qwen2-MoE), a norm computing with 1 + weight (Gemma), an encoder with
-    absolute positions and a tied decoder (BERT), and a frozen base whose trained parameters are all small enough
-    to be persistent (as with adapters: "peft_like", only the norms train), and real `peft` LoRA adapters of rank 16
-    on attention and MLP projections ("lora": adapters above the persistence threshold, so sharded and gathered
-    like the frozen base; upstream, frozen parameters and LoRA made ``engine.compile()`` raise)."""
+    absolute positions and a tied decoder (BERT), an encoder-decoder whose one embedding serves the encoder, the
+    decoder and the tied head, with a relative position bias in its first layers only (T5), and a frozen base whose
+    trained parameters are all small enough to be persistent (as with adapters: "peft_like", only the norms train),
+    and real `peft` LoRA adapters of rank 16 on attention and MLP projections ("lora": adapters above the
+    persistence threshold, so sharded and gathered like the frozen base; upstream, frozen parameters and LoRA made
+    ``engine.compile()`` raise)."""
     import transformers as tf
     torch.manual_seed(0)
     common = dict(vocab_size=256, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -310,6 +312,10 @@ def _family(name: str):
                                                         moe_intermediate_size=64, shared_expert_intermediate_size=64))
     if name == "gemma":
         return tf.GemmaForCausalLM(tf.GemmaConfig(**decoder, head_dim=16))
+    if name == "t5":
+        return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=256, d_model=HIDDEN, d_kv=16, d_ff=128,
+                                                         num_layers=1, num_heads=4, dropout_rate=0.0,
+                                                         decoder_start_token_id=0, pad_token_id=0))
     if name == "bert":
         return tf.BertForMaskedLM(tf.BertConfig(**common, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**decoder))
