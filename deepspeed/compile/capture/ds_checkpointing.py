@@ -26,12 +26,14 @@ Python side effects applied once, in forward (``skip_fwd_side_effects_in_bwd_und
 module-level context variable around its forward (``use_kernelized_func``), so under gradient checkpointing each
 decoder layer broke the graph and ran uncompiled. A set-and-reset leaves nothing to replay.
 
-Hugging Face's gradient checkpointing also logs, from every checkpointed layer's forward, that it turns the layer's
-``use_cache`` off (``Logger.warning_once``, which ``transformers`` adds to every logger; ``use_cache=True`` is what a
-pretrained model's config says unless the user or Trainer set it off). Dynamo breaks the graph at a logger call it
-is not told to ignore, so such a model compiled as a graph a layer, with no gathers started ahead across layers.
-Inside a DeepCompile forward dynamo ignores ``warning_once`` (``ignore_logging_functions``): compiled frames do not
-print these one-time notices (eager ZeRO-3 and frames dynamo runs as Python still do).
+``transformers`` also logs one-time notices from inside forward (``Logger.warning_once``, which it adds to every
+logger), and dynamo breaks the graph at a logger call it is not told to ignore. Two reach most users: GPT-2's loss
+function logs on every call that its ``loss_type`` is unset, so a GPT-2 forward with labels compiled as two graphs,
+the model and then its loss; and under gradient checkpointing every checkpointed layer logs that it turns off
+``use_cache`` (which a pretrained config sets, unless Trainer or the user turned it off), so such a model compiled
+as a graph a layer, with no gathers started ahead across layers. Inside a DeepCompile forward dynamo ignores
+``warning_once`` (``ignore_logging_functions``): compiled frames do not print these notices (eager ZeRO-3 and
+frames dynamo runs as Python still do).
 """
 import logging
 from contextlib import contextmanager

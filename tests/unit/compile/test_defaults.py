@@ -107,8 +107,10 @@ def test_default_settings_train_exactly_with_a_model_sized_bucket():
         # ZeRO-3 they stay gathered across steps, and the graphs gather none of them
         assert dc["persistent"] > 0 and dc["gathers"] == 0, dc
         # so what shows that DeepCompile ran is its graphs and its reduces (a persistent parameter's gradient comes out
-        # of the compiled backward and the runtime reduce-scatters it)
-        assert dc["graphs"] >= 2 and dc["reduces"] > 0, dc
+        # of the compiled backward and the runtime reduce-scatters it). One forward graph, the loss in it: GPT-2's
+        # loss function logs that its loss_type is unset (warning_once), which broke the forward in two until
+        # DeepCompile's forward told dynamo to ignore that call (capture/ds_checkpointing.py)
+        assert dc["graphs"] == 1 and dc["reduces"] > 0, dc
         print(f"default settings, median step: DeepCompile {dc['step_s'] * 1e3:.1f} ms, "
               f"eager ZeRO-3 {r['eager']['step_s'] * 1e3:.1f} ms")
 
