@@ -70,13 +70,19 @@ class GPT(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A ``transformers`` causal LM with random weights, returning the loss of (idx, targets)."""
+    """A ``transformers`` causal LM with random weights, returning the loss of (idx, targets). By default the loss is
+    computed here, on the logits; with ``labels`` the model computes it from ``labels=targets`` as Hugging Face's
+    Trainer has it do (its loss function: the targets shifted by one token, the logits upcast to fp32)."""
+
+    labels = False
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.labels:
+            return self.model(input_ids=idx, labels=targets, use_cache=False).loss
         logits = self.model(input_ids=idx, use_cache=False).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
@@ -121,13 +127,20 @@ class Qwen2(CausalLM):
 MODELS = {"gpt": GPT, "llama": Llama, "gpt2": GPT2, "qwen2": Qwen2}
 
 
-def make_model(name: str, size: str = "small", seed: int = 0) -> nn.Module:
+def make_model(name: str, size: str = "small", seed: int = 0, labels: bool = False) -> nn.Module:
+    """``labels``: a ``transformers`` model computes its own loss from ``labels`` (``CausalLM``)."""
     if name not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    if labels and not issubclass(MODELS[name], CausalLM):
+        raise ValueError(f"labels: model {name!r} is not a transformers model; use one of "
+                         f"{sorted(n for n, cls in MODELS.items() if issubclass(cls, CausalLM))}")
     torch.manual_seed(seed)
-    return MODELS[name](SIZES[size])
+    model = MODELS[name](SIZES[size])
+    if labels:
+        model.labels = True
+    return model
 
 
 def blocks(model: nn.Module) -> List[nn.Module]:

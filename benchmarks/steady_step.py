@@ -48,7 +48,7 @@ from deepspeed.compile.report import engine_report  # noqa: E402
 def build(args: argparse.Namespace, row: str, section: Dict, zero: Dict) -> Tuple[worker.Step, Optional[object]]:
     """The row's step functions, and its DeepSpeed engine (None for the rows without one)."""
     args = argparse.Namespace(**{**vars(args), "row": row})
-    model = worker.make_model(args.model, args.size, args.seed)
+    model = worker.make_model(args.model, args.size, args.seed, labels=args.labels)
     if (section or zero) and (row == "local" or row.startswith("fsdp2")):
         raise ValueError(f"--section/--zero: row {row} has no DeepSpeed config to override")
     if row == "local":
@@ -177,7 +177,8 @@ def per_row(parser: argparse.ArgumentParser, flag: str, text: str, rows: List[st
 
 def comm_summary(before: Optional[Dict], after: Optional[Dict], steps: int) -> str:
     """A DeepCompile row's collectives per timed step, from its engine reports before and after the ``steps``: the
-    time waited on them (exposed all-gather wait for ZeRO-3, reduce wait) and how many; empty for other rows."""
+    time waited on them (exposed all-gather wait for ZeRO-3, reduce wait) and how many, and the forward graphs it
+    compiled (a graph break makes more); empty for other rows."""
     if before is None or after is None:
         return ""
 
@@ -189,7 +190,8 @@ def comm_summary(before: Optional[Dict], after: Optional[Dict], steps: int) -> s
         gathers = (f"all-gather wait {per_step('gather_seconds') * 1e3:.1f} ms "
                    f"({per_step('allgather_collectives'):.0f} collectives), ")
     return (f"; per step: {gathers}reduce wait {per_step('reduce_wait_seconds') * 1e3:.1f} ms "
-            f"({per_step('reduce_collectives'):.0f} collectives)")
+            f"({per_step('reduce_collectives'):.0f} collectives); forward graphs compiled: "
+            f"{after.get('graphs_compiled', 0)}")
 
 
 def main() -> None:
@@ -202,6 +204,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warm", type=int, default=3, help="untimed steps after the compile step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--labels", action="store_true", help="a transformers model computes its own loss from labels, as "
+                   "Hugging Face's Trainer has it do (default: the loss is computed on its logits)")
     p.add_argument("--section", default="{}", help="JSON object (or list, one per row) merged into a DeepCompile "
                    "row's compile section")
     p.add_argument("--op-calls", default=None, help="comma-separated, one per row: direct (default) or overload, how "

@@ -128,12 +128,13 @@ def test_steady_step_median_interval_holds_the_median_and_narrows_with_agreeing_
 def test_steady_step_comm_summary_is_per_timed_step_and_only_for_deepcompile_rows():
     from benchmarks.steady_step import comm_summary
     before = {"gather_seconds": 1.0, "allgather_collectives": 100, "reduce_wait_seconds": 0.5, "reduce_collectives": 10}
-    after = {"gather_seconds": 1.2, "allgather_collectives": 140, "reduce_wait_seconds": 0.54, "reduce_collectives": 20}
+    after = {"gather_seconds": 1.2, "allgather_collectives": 140, "reduce_wait_seconds": 0.54, "reduce_collectives": 20,
+             "graphs_compiled": 2}
     assert comm_summary(before, after, 4) == ("; per step: all-gather wait 50.0 ms (10 collectives), "
-                                              "reduce wait 10.0 ms (2 collectives)")
+                                              "reduce wait 10.0 ms (2 collectives); forward graphs compiled: 2")
     zero2 = {"reduce_wait_seconds": 0.0, "reduce_collectives": 0}  # ZeRO-1/2 reports have no gathers
-    assert comm_summary(zero2, {"reduce_wait_seconds": 0.3, "reduce_collectives": 15}, 3) == \
-        "; per step: reduce wait 100.0 ms (5 collectives)"
+    assert comm_summary(zero2, {"reduce_wait_seconds": 0.3, "reduce_collectives": 15, "graphs_compiled": 1}, 3) == \
+        "; per step: reduce wait 100.0 ms (5 collectives); forward graphs compiled: 1"
     assert comm_summary(None, None, 4) == ""  # eager DeepSpeed, FSDP2 and local rows
 
 
