@@ -149,3 +149,19 @@ def test_steady_step_aten_profile_counts_the_named_phase_only(phase, inside, out
     ops = {name: calls for name, calls, seconds in phase_ops(fns, [2.0, 3.0], phase)}
     assert ops[inside] == 2 and outside not in ops  # sin runs in forward; its backward runs cos
     assert len(steps) == 2  # every phase ran, profiled or not
+
+
+def test_labels_has_a_transformers_model_compute_its_own_shifted_loss():
+    """``--labels``: the model's own loss (Hugging Face's: targets shifted by one token), not the benchmark's loss on
+    the logits; refused, naming the option, for the benchmark's own GPT."""
+    import torch
+    import torch.nn.functional as F
+    from benchmarks.models import make_batch, make_model
+    idx, targets = make_batch("small", 0, 0)
+    own, plain = make_model("gpt2", "small", labels=True), make_model("gpt2", "small")
+    logits = plain.model(input_ids=idx, use_cache=False).logits
+    shifted = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets[:, 1:].reshape(-1))
+    assert torch.allclose(own(idx, targets), shifted, rtol=1e-6, atol=0)
+    assert not torch.allclose(plain(idx, targets), shifted, rtol=1e-3, atol=0)  # the default: unshifted
+    with pytest.raises(ValueError, match="labels"):
+        make_model("gpt", "small", labels=True)
