@@ -19,7 +19,7 @@ import torch
 from deepspeed.utils import logger
 from torch import nn
 
-from ..runtime.eager_access import gather_for_caller
+from ..runtime.eager_access import BLOCK_TRAMPOLINE, gather_for_caller
 
 _TRAMPOLINE = "_dsc_block_trampoline"  # marks a block forward installed here
 
@@ -116,11 +116,12 @@ def _compiled_leaf(compiled: Callable, leaf: nn.Module) -> Callable:
 
 
 def _trampoline(compiled: Callable, block: nn.Module) -> Callable:
-    @torch.compiler.disable(recursive=True)
     def forward(*args, **kwargs):
         output = compiled(block, *args, **kwargs)
         gather_for_caller(output)  # no-op outside a ZeRO-3 DeepCompile forward
         return output
 
+    forward.__name__ = forward.__qualname__ = BLOCK_TRAMPOLINE  # what dynamo's graph break names (eager_access)
+    forward = torch.compiler.disable(forward, recursive=True)
     setattr(forward, _TRAMPOLINE, True)
     return forward

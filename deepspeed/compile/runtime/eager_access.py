@@ -51,9 +51,17 @@ def _dynamo_reasons() -> list:
     return list(dict.fromkeys(reason for reason in reasons if reason))
 
 
+# the name of a block trampoline of ``regions: "blocks"`` (``capture/regions.py``), which dynamo names in its graph break
+BLOCK_TRAMPOLINE = "deepcompile_block_trampoline"
+BLOCK_TRAMPOLINE_REASON = ("the model's frame runs as Python around its blocks (compile.regions='blocks' compiles each "
+                           "block on its own)")
+
+
 def _reason(message: str) -> str:
     lines = [line.strip() for line in message.splitlines()]
     context = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Developer debug context:")), "")
+    if BLOCK_TRAMPOLINE in context:  # the break every block makes by design, not dynamo's "disable()d function"
+        return BLOCK_TRAMPOLINE_REASON
     head = lines[0][:300] if lines else ""
     return f"{head} ({context[:300]})" if head and context else head
 

@@ -354,3 +354,28 @@ def test_submodules_called_outside_the_forward_run_as_in_eager_zero3():
         for what in ("embedding", "backbone", "forward"):
             worst = ((compiled[what] - eager[what]).abs().max() / eager[what].abs().max()).item()
             assert worst <= 1e-6, (what, worst)
+
+
+def test_a_block_trampoline_break_is_named_as_regions_blocks():
+    """Under ``regions: "blocks"`` each block's forward is a trampoline dynamo does not trace: the model's frame breaks
+    there by design. Dynamo names that break "Skip calling `torch.compiler.disable()`d function", which told a user
+    nothing (it was listed beside the real reason when something else made a frame run as Python, as the dict
+    iteration of transformers' output capturing does for a ViT); the runtime names it as what it is."""
+    import torch
+    from torch._dynamo.utils import counters
+    from deepspeed.compile.capture import regions
+    from deepspeed.compile.runtime.eager_access import BLOCK_TRAMPOLINE_REASON, _dynamo_reasons
+    torch._dynamo.reset()
+    counters.clear()
+    block = torch.nn.Linear(2, 2)
+    trampoline = regions._trampoline(lambda module, x: module(x), block)
+
+    @torch.compile(backend="eager")
+    def model_frame(x):
+        return trampoline(x * 2) + 1
+
+    x = torch.ones(2)
+    assert torch.equal(model_frame(x), block(x * 2) + 1)
+    assert _dynamo_reasons() == [BLOCK_TRAMPOLINE_REASON], dict(counters["graph_break"])
+    torch._dynamo.reset()
+    counters.clear()
