@@ -232,9 +232,9 @@ class GraphCompiler:
                 node.target = UNTRACED_CALLS[node.target]
         gm.recompile()
         # the user's inductor settings again: AOTAutograd compiles the backward at its first run, after compile_graph.
-        # Never inductor's layout optimization: with a convolution in the graph it gives a conv weight (a gathered
-        # parameter, or a ZeRO-1/2 parameter handed to a reduce) a channels-last copy that stands in for it at every
-        # use, and our ops find a parameter by its storage (docs/inductor.md, fix 6)
+        # Never inductor's layout optimization: with a convolution in the graph it gives a 2-D convolution's weight (a
+        # gathered parameter, or a ZeRO-1/2 parameter handed to a reduce) a channels-last copy that stands in for it
+        # at every use, and our ops find a parameter by its storage (docs/inductor.md, fix 6)
         patches = {**self.inductor_config, "layout_optimization": False,
                    **({"size_asserts": False} if handles else {})}
         with torch._inductor.config.patch(patches):

@@ -264,7 +264,7 @@ class GatedBlocksWithBreak(GatedBlocks):
 
 class PatchConv(nn.Module):
     """A patch embedding (``Conv2d``, as ViT's) and a ``Conv1d`` over the patches (as Whisper's front end) before a
-    linear head: 4-D and 3-D weights, which inductor's CPU convolutions prefer in channels-last layout."""
+    linear head: a 4-D weight, which inductor's CPU layout optimization turns channels-last, and a 3-D one."""
 
     def __init__(self, dim: int = 16):
         super().__init__()

@@ -215,8 +215,8 @@ def _conv_pairs():
 
 def test_inductor_trains_convolutions_at_every_stage():
     """A Conv2d patch embedding and a Conv1d (ViT's and Whisper's front ends). On CPU inductor's layout optimization
-    gave every convolution weight a channels-last copy that stood in for it at all its uses, the copy handed to our
-    ops: ZeRO-3's release failed ("not a gathered parameter"), in forward when the parameter is gathered again in
+    gave a 2-D convolution's weight a channels-last copy that stood in for it at all its uses, the copy handed to our
+    ops (the Conv1d's 3-D weight was not affected): ZeRO-3's release failed ("not a gathered parameter"), in forward when the parameter is gathered again in
     backward and in backward when it is kept, and ZeRO-1/2's reduce did not know the parameter. Each stage against
     eager ZeRO in the same process, within FP32_TOL."""
     from compare import assert_ran_compiled
