@@ -183,6 +183,54 @@ def _rank_fallback_when_unbuildable() -> List[str]:
     return [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
 
+def _rank_cuda_collective_forms() -> Dict[str, tuple]:
+    """The ZeRO-3 runtime's collectives in the forms it takes on CUDA, run here on gloo: each run of gathers started
+    through the native op's start form (``GatherRuns.native_start``, on only for CUDA parameters) and each gradient
+    bucket reduce-scattered (``GradientReducer._all_reduce`` off, as on NCCL), then in the gloo forms (a run received
+    as rows of one all-gather, a bucket all-reduced in place). GPT under autocast (runs cast to bf16 before they are
+    sent), a 3000-element prefetch bucket (runs of several parameters, the next started ahead), eager backend."""
+    import torch.distributed as dist
+    import deepspeed.compile.runtime.z3_runs as z3_runs
+    from deepspeed.compile.engine_state import runtime_of
+    from deepspeed.compile.report import engine_report, issued_collectives, record_gathered_timeline
+    from models import ds_config
+    from training import make_engine, train
+    calls = {"start": 0, "reduce_scatter": 0}
+    start, reduce_scatter = z3_runs.cast_all_gather_start, dist.reduce_scatter_single
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    z3_runs.cast_all_gather_start = counted("start", start)
+    dist.reduce_scatter_single = counted("reduce_scatter", reduce_scatter)
+    out = {}
+    try:
+        for forms in ("cuda", "gloo"):
+            engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": "native"}, "autocast",
+                                                  zero_overrides={"stage3_prefetch_bucket_size": 3000}))
+            engine.compile(backend="eager")
+            runtime = runtime_of(engine)
+            runtime.runs.native_start = forms == "cuda"
+            runtime.reducer._all_reduce = forms == "gloo"
+            record_gathered_timeline(engine)
+            first_id = min(runtime.params)  # each engine numbers its parameters on from the last one's
+            norms = []
+            losses = train(engine, "gpt", 3, after_step=lambda e: norms.append(float(e.get_global_grad_norm())))
+            report = engine_report(engine)
+            issued = [(kind, tuple(i - first_id for i in ds_ids), numel)
+                      for kind, ds_ids, numel in issued_collectives(engine)]
+            out[forms] = {"losses": losses, "norms": norms, "issued": issued, "bytes": report["allgather_bytes_by_dtype"],
+                          "ahead": report["runs_started_ahead"], "calls": dict(calls)}
+            calls.update(start=0, reduce_scatter=0)
+            engine.destroy()
+    finally:
+        z3_runs.cast_all_gather_start, dist.reduce_scatter_single = start, reduce_scatter
+    return out
+
+
 # ----- tests -------------------------------------------------------------------------------------------------
 def test_builder_finds_sources_in_checkout() -> None:
     from deepspeed.compile.native.builder import NativeOpBuilder, find_source_dir
@@ -245,3 +293,19 @@ def test_auto_falls_back_with_one_warning() -> None:
     warnings = run_distributed(_rank_fallback_when_unbuildable, world_size=1)[0]
     assert len(warnings) == 1, warnings
     assert "no C++ compiler" in warnings[0] and "compile.native_op" in warnings[0]
+
+
+def test_cuda_collective_forms_train_as_the_gloo_forms(native_library: str) -> None:
+    """The collective forms the ZeRO-3 runtime takes on CUDA, which no test machine here runs on a GPU, give bitwise
+    the same losses and gradient norms as the gloo forms, issue the same collectives (kind, parameters, size, in
+    order) and gather the same bytes per dtype: the native start form receives a run in the same rank-major rows as
+    the gloo all-gather, and a rank's row of the summed bucket is its reduce-scatter output (the same sum of the
+    same values). The spies show that each engine ran its own forms and only those."""
+    for r in run_distributed(_rank_cuda_collective_forms, timeout_s=300):
+        cuda, gloo = r["cuda"], r["gloo"]
+        assert cuda["calls"]["start"] > 0 and cuda["calls"]["reduce_scatter"] > 0, cuda["calls"]
+        assert gloo["calls"] == {"start": 0, "reduce_scatter": 0}, gloo["calls"]
+        assert cuda["ahead"] > 0 and gloo["ahead"] > 0
+        assert cuda["losses"] == gloo["losses"] and cuda["norms"] == gloo["norms"], (cuda, gloo)
+        assert cuda["issued"] == gloo["issued"] and cuda["bytes"] == gloo["bytes"]
+
