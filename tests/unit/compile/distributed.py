@@ -109,9 +109,21 @@ def _rank_main(module_name: str, fn_name: str, args: tuple, rank: int, world_siz
     with open(result_path + ".tmp", "wb") as f:
         pickle.dump(outcome, f)
     os.replace(result_path + ".tmp", result_path)
+    _save_coverage()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: gloo threads of a failed rank must not block exit
+
+
+def _save_coverage() -> None:
+    """Under ``scripts/coverage.sh`` (coverage.py started in every process), write this rank's measurement, which
+    ``os._exit`` would otherwise lose."""
+    if "coverage" not in sys.modules:
+        return
+    cov = sys.modules["coverage"].Coverage.current()
+    if cov is not None:
+        cov.stop()
+        cov.save()
 
 
 def _log_path(workdir: str, rank: int) -> str:
