@@ -69,6 +69,8 @@ class Z12Runtime:
         self._arrived: Set[int] = set()  # keys with a gradient in param.grad not handed to ZeRO yet
         self._handed: Set[int] = set()  # keys handed to ZeRO in this backward
         self._eager_incoming: Set[int] = set()  # keys autograd is accumulating an eager gradient for
+        self._eager_sources: Set[int] = set()  # keys whose eager gradient a graph call announced (_note_eager_uses)
+        self._walked: Set = set()  # autograd nodes _note_eager_uses walked in this forward
         self._backward_pending = False
         self._own_hooks: List = []
         self._take_over_grad_hooks()
@@ -99,6 +101,35 @@ class Z12Runtime:
         for i in grad_inputs:
             key = self._key[id(args[i])]
             self._grad_sources[key] = self._grad_sources.get(key, 0) + 1
+        taken = set(grad_inputs)
+        self._note_eager_uses([t for i, t in enumerate(args) if i not in taken and isinstance(t, Tensor)])
+
+    def _note_eager_uses(self, inputs: List[Tensor]) -> None:
+        """Trained parameters that eager code used earlier in this forward, in computing a graph input (an embedding
+        in a frame dynamo skipped, its weight tied to a compiled head): backward runs in reverse, so autograd
+        accumulates their eager gradient after the graph's backward has produced its own. Each owes one gradient more,
+        and is handed to ZeRO once both have come, summed as autograd sums them. Found by walking the inputs' autograd
+        graph back to the parameters' ``AccumulateGrad`` nodes, except through a compiled graph's backward node (its
+        parameters were counted by its own call); each node once per forward, each parameter once per backward (all
+        its eager uses reach its one ``AccumulateGrad`` together)."""
+        stack = [t.grad_fn for t in inputs if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node in self._walked:
+                continue
+            self._walked.add(node)
+            compiled = type(node).__name__ == "CompiledFunctionBackward"
+            for child, _ in node.next_functions:
+                if child is None:
+                    continue
+                leaf = getattr(child, "variable", None)  # an AccumulateGrad node's parameter
+                if leaf is None:
+                    stack.append(child)
+                    continue
+                key = self._key.get(id(leaf))
+                if key is not None and not compiled and key not in self._eager_sources:
+                    self._eager_sources.add(key)
+                    self._grad_sources[key] = self._grad_sources.get(key, 0) + 1
 
     # ----- gradients ------------------------------------------------------------------------------------
     def reduce_op(self, grad: Tensor, traced_key: int, param: Optional[Tensor]) -> None:
@@ -151,6 +182,9 @@ class Z12Runtime:
             return
         self._eager_incoming.discard(key)
         self.counters.eager_grads += 1
+        if key in self._eager_sources:  # the source a graph call announced for it has delivered
+            self._eager_sources.discard(key)
+            self._grad_sources[key] = max(self._grad_sources.get(key, 0) - 1, 0)
         if key in self._handed:
             self._second_gradient(key)
         self._arrived.add(key)
@@ -162,8 +196,8 @@ class Z12Runtime:
             raise RuntimeError(
                 f"deepspeed-compile: parameter {self._names[key]!r} got a gradient from eager code after ZeRO-2 had "
                 "reduced its gradient from the compiled graphs in this backward (a weight used both inside and "
-                "outside the compiled graphs, with the eager use earlier in forward). Compile the code that uses it, "
-                "or keep its uses on one side of the graph break")
+                "outside the compiled graphs, its eager use earlier in forward and not on the way to a compiled "
+                "graph's input). Compile the code that uses it, or keep its uses on one side of the graph break")
         self._handed.discard(key)  # ZeRO-1 reduces from param.grad at the boundary: accumulating again is right
 
     def _hand_off(self, key: int) -> None:
@@ -219,10 +253,15 @@ class Z12Runtime:
         """One forward of the engine; with grad enabled, a backward will end the step's gradient bookkeeping."""
         if not self._backward_pending:
             self._grad_sources.clear()
-        yield
+            self._eager_sources.clear()
+        try:
+            yield
+        finally:
+            self._walked.clear()  # the forward's autograd nodes are not held past it
         self._backward_pending = self._backward_pending or torch.is_grad_enabled()
         if not self._backward_pending:
             self._grad_sources.clear()
+            self._eager_sources.clear()
 
     def reset_counters(self) -> None:
         self.counters = Z12Counters()
@@ -237,6 +276,7 @@ class Z12Runtime:
         for key in sorted(self._arrived):  # a graph that owed a gradient produced none: hand over what came
             self._hand_off(key)
         self._grad_sources.clear()
+        self._eager_sources.clear()
         self._handed.clear()
         self._reduce_as_the_engine()
         self.flush.finish()  # where the engine reduced nothing at the end, what started in backward still lands

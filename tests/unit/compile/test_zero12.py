@@ -7,8 +7,8 @@ accumulation boundary), the global gradient norm, parameters and the optimizer's
 bitwise, across: tied weights (TinyGPT's embedding is its output head), 2 micro-steps of accumulation, frozen
 parameters, gradient clipping that clips, the blocks compiled one by one (``regions: "blocks"``: one graph, traced on the
 first block, serves both), a graph break between the blocks (the tied weight then gets a gradient
-from each graph), a ``torch.compiler.disable``d block (its parameters' gradients come from eager code), and a
-checkpoint round trip. bf16, torch autocast and inductor have stated tolerances below.
+from each graph), a ``torch.compiler.disable``d block (its parameters' gradients come from eager code), the tied
+embedding looked up in eager code and its head compiled, and a checkpoint round trip. bf16, torch autocast and inductor have stated tolerances below.
 """
 import pytest
 
@@ -57,8 +57,9 @@ def _forward_with_break(model):
 
 
 def _with_hooks(stage, how, backend="eager"):
-    """Eager ZeRO and DeepCompile on TinyGPT with a graph break between its blocks (``how="break"``) or the second
-    block run eagerly (``how="disable"``): losses, parameters and the engine report."""
+    """Eager ZeRO and DeepCompile on TinyGPT with a graph break between its blocks (``how="break"``), the second
+    block run eagerly (``how="disable"``), or the embedding lookup run eagerly (``how="embedding"``: the tied weight's
+    first use in eager code, the head that uses it again compiled): losses, parameters and the engine report."""
     import torch
     from compare import full_params
     from models import ds_config
@@ -69,8 +70,10 @@ def _with_hooks(stage, how, backend="eager"):
         engine = make_engine("gpt", ds_config(stage, section))
         if how == "break":
             engine.module.forward = _forward_with_break(engine.module)
-        else:
+        elif how == "disable":
             engine.module.blocks[1].forward = torch.compiler.disable(engine.module.blocks[1].forward)
+        else:
+            engine.module.tok.forward = torch.compiler.disable(engine.module.tok.forward)
         losses = train(engine, "gpt", STEPS, compile_kwargs={"backend": backend} if section else None)
         from deepspeed.compile.report import engine_report
         out[name] = {"losses": losses, "params": full_params(engine), "report": engine_report(engine)}
@@ -119,8 +122,8 @@ def _stage_cases(stage, ckpt_dir):
         # gradients after every backward of the first 2 steps; ZeRO-2 (full gradients only at an accumulation
         # boundary) after each step's last one
         out[case] = _summary(run_pair(model, STEPS, stage=stage, grad_steps=2, **kwargs), stage)
-    out["break"] = _with_hooks(stage, "break")
-    out["disable"] = _with_hooks(stage, "disable")
+    for how in ("break", "disable", "embedding"):
+        out[how] = _with_hooks(stage, how)
     out["checkpoint"] = _checkpoint_round_trip(stage, ckpt_dir)
     return out
 
@@ -162,8 +165,12 @@ def test_fp32_matches_eager_zero_bitwise(stage_results, case):
         assert min(results[0][case]["grad_norms"][1]) > 0.05, results[0][case]["grad_norms"]
 
 
-@pytest.mark.parametrize("how", ["break", "disable"])
+@pytest.mark.parametrize("how", ["break", "disable", "embedding"])
 def test_graph_break_and_eager_block_match_eager_zero_bitwise(stage_results, how):
+    """With ``how="embedding"`` the compiled backward produces the tied weight's gradient from the head first and
+    autograd accumulates the embedding's after it: ZeRO-2 had already reduced the first and raised ("got a gradient
+    from eager code after ZeRO-2 had reduced its gradient"); the graph call now finds the eager use behind its input
+    and the weight is handed to ZeRO once, with both gradients summed (``Z12Runtime._note_eager_uses``)."""
     from compare import unequal
     stage, results = stage_results
     for out in results:
@@ -174,11 +181,13 @@ def test_graph_break_and_eager_block_match_eager_zero_bitwise(stage_results, how
         assert report is not None and report["zero_stage"] == stage, report
         # two graphs either side of the break: the tied embedding's two gradients are summed, then handed over once.
         # A disabled block: torch 2.13 skips the whole top-level frame and compiles the first block's forward (the
-        # second block's parameters and the rest get their gradients from eager code, through autograd)
+        # second block's parameters and the rest get their gradients from eager code, through autograd). A disabled
+        # embedding: one graph after it
         assert report["graphs_compiled"] == (2 if how == "break" else 1) and report["reduces"] > 0, report
         # the disabled block's parameters (and, with the top-level frame skipped, the rest outside the first block)
-        # get their gradients from eager code; across a break every gradient comes from a compiled backward
-        assert (report["eager_grads"] > 0) == (how == "disable"), report
+        # get their gradients from eager code, and so do the embedding's; across a break every gradient comes from a
+        # compiled backward
+        assert (report["eager_grads"] > 0) == (how != "break"), report
 
 
 def test_checkpoint_round_trip_matches_eager_zero(stage_results):
