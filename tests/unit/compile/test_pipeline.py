@@ -314,7 +314,7 @@ def test_persistent_parameters_match_eager_zero3():
         assert gathered and not any("norm" in name or name.endswith("bias") for name in gathered), sorted(gathered)
 
 
-def _gather_timeout(native_op, flag):
+def _gather_timeout(native_op, flag, prefetch_bucket=0):
     import datetime
     import os
     import time
@@ -322,7 +322,8 @@ def _gather_timeout(native_op, flag):
     from models import ds_config, make_batch
     from training import make_engine, train
     engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": native_op,
-                                              "collective_timeout_s": 2}))
+                                              "collective_timeout_s": 2},
+                                          zero_overrides={"stage3_prefetch_bucket_size": prefetch_bucket}))
     engine.compile(backend="eager")
     # the first step compiles each graph where it first runs: one rank may reach a gather seconds before the other,
     # longer than the bound under a loaded machine, so it runs with a wider one; the hang below meets the configured 2 s
@@ -349,10 +350,17 @@ def _gather_timeout(native_op, flag):
     return message, time.perf_counter() - start
 
 
-@pytest.mark.parametrize("native_op", ["python", "native"])
-def test_collective_timeout_names_the_gather(native_op, tmp_path):
+@pytest.mark.parametrize("native_op, prefetch_bucket", [("python", 0), ("native", 0), ("python", 20000)])
+def test_collective_timeout_names_the_gather(native_op, prefetch_bucket, tmp_path):
     """compile.collective_timeout_s: a rank that never joins a gather inside a compiled graph makes the other raise
-    TimeoutError naming the gather's parameter, within the bound (2 s, plus slack for the step), on both paths."""
-    message, seconds = run_distributed(_gather_timeout, native_op, str(tmp_path / "done"), collective_timeout_s=60)[0]
-    assert message is not None and "all-gather of parameter" in message and "collective_timeout_s" in message, message
+    TimeoutError naming the gather's parameter(s), within the bound (2 s, plus slack for the step), on both paths
+    of a lone gather, and for a run of gathers coalesced into one collective (a 20000-element prefetch bucket), which
+    the runtime waits for apart from the gather op (``CommLog.wait``: without the bound there, rank 0 waited until
+    rank 1 gave up 20 s later and gloo raised "Connection closed by peer")."""
+    message, seconds = run_distributed(_gather_timeout, native_op, str(tmp_path / "done"), prefetch_bucket,
+                                       collective_timeout_s=60)[0]
+    assert message is not None and "collective_timeout_s" in message, message
+    # a run names its parameters, a lone gather its one
+    assert ("all-gather of parameters 'tok.weight'" if prefetch_bucket else "all-gather of parameter 'tok.weight'") \
+        in message, message
     assert seconds < 15, seconds
