@@ -106,17 +106,21 @@ def test_insert_reduces_returns_none_and_reduces_each_parameter_gradient():
 
 
 def test_chain_collectives_makes_the_graph_order_of_gathers_and_reduces_data_dependencies():
-    runtime = FakeRuntime({5: torch.randn(4, 4)})
+    """Each collective waits for the one before it: a reduce after a gather, a gather after a reduce (the second
+    gather chained to the first reduce's gradient), a reduce after a reduce."""
+    runtime = FakeRuntime({5: torch.randn(4, 4), 6: torch.randn(4, 4)})
 
-    def bw(grad_out, x, standin):
+    def bw(grad_out, x, standin, standin2):
         w = GATHER(standin, runtime.id, 5, None, [], "")
-        return grad_out.t() @ x, grad_out.sum(0), grad_out @ w
+        weight_grad = grad_out.t() @ x
+        w2 = GATHER(standin2, runtime.id, 6, None, [], "")
+        return weight_grad, grad_out.sum(0), grad_out @ w @ w2
 
-    gm = make_fx(bw)(torch.randn(2, 4), torch.randn(2, 4), torch.randn(4, 4))
+    gm = make_fx(bw)(torch.randn(2, 4), torch.randn(2, 4), torch.randn(4, 4), torch.randn(4, 4))
     gm = rewrite.insert_reduces_pass(gm, runtime_id=runtime.id, grad_ds_ids=[11, 12, None])
     gm = rewrite.chain_collectives_pass(gm)
     collectives = [n for n in gm.graph.nodes if n.target in (GATHER, REDUCE)]
-    assert [n.target for n in collectives][:1] == [GATHER] and len(collectives) == 3
+    assert [n.target for n in collectives] == [GATHER, REDUCE, GATHER, REDUCE], collectives
     for before, node in zip(collectives, collectives[1:]):
         token = before if before.target is GATHER else before.args[0]  # a reduce's gradient, which it mutates
         after = node.args[4]
@@ -125,7 +129,7 @@ def test_chain_collectives_makes_the_graph_order_of_gathers_and_reduces_data_dep
         assert token in node.all_input_nodes
     assert collectives[0].args[4] == []  # the first waits for nothing
     rewrite.chain_collectives_pass(gm)  # idempotent
-    assert [len(n.args[4]) for n in collectives] == [0, 1, 1]
+    assert [len(n.args[4]) for n in collectives] == [0, 1, 1, 1]
 
 
 def test_defer_reduces_moves_each_reduce_past_fusible_code_only():
