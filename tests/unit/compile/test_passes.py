@@ -105,6 +105,30 @@ def test_insert_reduces_returns_none_and_reduces_each_parameter_gradient():
     assert sum(n.target is REDUCE for n in gm.graph.nodes) == 2
 
 
+def test_pin_gathers_makes_each_gathers_scheduled_position_a_dependency():
+    """Each gather waits for the closest compute node before it (not for a release or a reduce), so inductor cannot
+    hoist it above its scheduled place; the graph computes the same values."""
+    runtime = FakeRuntime({5: torch.randn(4, 4), 6: torch.randn(4, 4)})
+
+    def fw(x, standin, standin2):
+        h = x.relu()
+        w = GATHER(standin, runtime.id, 5, None, [], "")
+        h = h @ w
+        w2 = GATHER(standin2, runtime.id, 6, None, [], "")
+        return h @ w2
+
+    args = (torch.randn(2, 4), torch.randn(4, 4), torch.randn(4, 4))
+    gm = make_fx(fw)(*args)
+    expected = gm(*args)
+    gm = rewrite.pin_gathers_pass(gm)
+    gm.recompile()
+    gathers = [n for n in gm.graph.nodes if n.target is GATHER]
+    computed = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not GATHER]
+    assert [n.args[4] for n in gathers] == [[computed[0]], [computed[1]]], [n.args for n in gathers]
+    assert all(g.args[4][0] in g.all_input_nodes for g in gathers)  # a dependency, not only a position
+    assert torch.equal(gm(*args), expected)
+
+
 def test_chain_collectives_makes_the_graph_order_of_gathers_and_reduces_data_dependencies():
     """Each collective waits for the one before it: a reduce after a gather, a gather after a reduce (the second
     gather chained to the first reduce's gradient), a reduce after a reduce."""
