@@ -45,6 +45,7 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
             "gather_path": runtime.gather_path,
             "gather_seconds": c.gather_seconds,
             "runs_started_ahead": c.runs_started_ahead,
+            "unclaimed_gathers": c.unclaimed_gathers,  # prefetched and never used (wasted collective bytes)
             "shard_copies": c.shard_copies,
             "allgather_bytes": c.allgather_bytes,
             "allgather_bytes_by_dtype": dict(c.allgather_bytes_by_dtype),

@@ -31,6 +31,9 @@ class Counters:
     reduce_bytes: int = 0  # bytes sent by gradient reductions (here all reduce-scatters)
     reduce_wait_seconds: float = 0.0  # time spent waiting for reduce-scatters started earlier
     shard_copies: int = 0  # copies of offloaded shards to the device (one per run, or per single gather)
+    # gathered copies freed with no op having claimed them: a prefetched run's member that no graph used, its
+    # collective bytes wasted (0 while the runs' plans name the parameters the graphs run on)
+    unclaimed_gathers: int = 0
 
 
 class CommLog:

@@ -231,6 +231,7 @@ class Z3Runtime:
         address = entry.tensor.data_ptr()
         self._gathered_at.pop(address, None)
         if entry.refs == 0:
+            self.counters.unclaimed_gathers += 1
             if self.free_on_release:
                 entry.tensor.untyped_storage().resize_(0)
         else:

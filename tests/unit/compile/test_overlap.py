@@ -137,7 +137,7 @@ def _rank_coalesced(layers: int, backend: str, prefetch_numel: int, steps: int, 
                       for p in runtime.sharded.values())
     out = {key: report[key] for key in ("gathers", "allgather_collectives", "peak_gathered_bytes",
                                         "planned_peak_gathered_bytes", "live_gathered_bytes", "saved_param_bytes",
-                                        "runs_started_ahead")}
+                                        "runs_started_ahead", "unclaimed_gathers")}
     out.update(losses=losses, padding=padding, active=engine.is_deepcompile_active(),
                largest=max(p.ds_numel * p.ds_tensor.element_size() for p in runtime.sharded.values()))
     engine.destroy()
@@ -166,6 +166,7 @@ def test_in_flight_bound_holds_on_the_12_block_gpt():
         assert r["active"] and r["live_gathered_bytes"] == 0
         assert r["allgather_collectives"] < r["gathers"] / 3, r  # coalesced
         assert r["runs_started_ahead"] > 0, r  # prefetched: the bound is checked with runs in flight
+        assert r["unclaimed_gathers"] == 0, r  # everything prefetched was used
         assert r["peak_gathered_bytes"] <= r["planned_peak_gathered_bytes"] + r["padding"], r
         assert r["planned_peak_gathered_bytes"] <= 2 * r["peak_gathered_bytes"], r
         assert r["peak_gathered_bytes"] > 20000 * FP32 // 2, r  # runs are gathered whole, more than one parameter
