@@ -247,7 +247,7 @@ def test_inductor_compiles_deepspeed_activation_checkpointing():
         print(check_fp32_close(r))
 
 
-def _one_process(steps, aot_cache=True):
+def _one_process(steps, aot_cache=True, prefetch_bucket=0):
     """One training process: the inductor engine, with what its stats say about compiling and torch's cache."""
     import time
     from torch._dynamo.utils import counters
@@ -255,7 +255,8 @@ def _one_process(steps, aot_cache=True):
     from deepspeed.compile.engine_state import state_of
     from models import ds_config
     from training import make_engine, train
-    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "aot_cache": aot_cache}, optimizer="sgd"))
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "aot_cache": aot_cache}, optimizer="sgd",
+                                          zero_overrides={"stage3_prefetch_bucket_size": prefetch_bucket}))
     start = time.perf_counter()
     losses = train(engine, "gpt", 1, compile_kwargs={"backend": "inductor"})
     first_step_s = time.perf_counter() - start
@@ -271,7 +272,9 @@ def test_warm_process_loads_the_compiled_graphs_and_trains_identically(tmp_path,
     """Two processes in turn on one fresh inductor cache directory (each a 2-rank run): the first compiles every
     graph and torch's AOTAutograd cache stores it; the second loads every graph from it (our compilers do not run)
     and trains bitwise identically, and its report's compile figures (collective order, saved bytes, planned peak)
-    are the first's, from the compile record. A third with ``"aot_cache": false`` compiles every graph again."""
+    are the first's, from the compile record. A third with ``"aot_cache": false`` compiles every graph again, and so
+    does a fourth whose ZeRO settings change what the passes build (a 3000-element prefetch bucket: gathers coalesced
+    into runs), with the same arithmetic."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
     steps = 3
     cold = run_distributed(_one_process, steps, timeout_s=400)
@@ -291,6 +294,9 @@ def test_warm_process_loads_the_compiled_graphs_and_trains_identically(tmp_path,
         assert off["loaded"] == 0 and off["aot"].get("autograd_cache_hit", 0) == 0, off["aot"]
         assert off["compiled"] == c["compiled"] and off["compile_s"]["forward"] > 0
         assert off["losses"] == c["losses"] and (off["orders"], off["saved"]) == (c["orders"], c["saved"])
+    for c, runs in zip(cold, run_distributed(_one_process, steps, True, 3000, timeout_s=400)):
+        assert runs["loaded"] == 0 and runs["aot"].get("autograd_cache_hit", 0) == 0, runs["aot"]
+        assert runs["compiled"] == c["compiled"] and runs["losses"] == c["losses"]
 
 
 def test_compile_record_is_keyed_on_the_calling_context():
