@@ -186,24 +186,28 @@ class WithBuffers(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Top-1 routing over a ``ModuleList`` of experts, each called only on the rows routed to it (as DeepSeek's and
-    older `transformers` MoE blocks do): an expert that gets no rows on a rank is not called there. Data-dependent
-    shapes (``nonzero``) in a loop: dynamo runs this frame eagerly and compiles each expert's own frame."""
+    """Top-k routing over a ``ModuleList`` of experts, each called only on the rows routed to it (as DeepSeek's and
+    older `transformers` MoE blocks do): an expert that gets no rows on a rank is not called there. With ``top_k=2``
+    the experts are called once per choice (first choices, then second ones), so an expert may run twice in a
+    forward. Data-dependent shapes (``nonzero``) in a loop: dynamo runs this frame eagerly and compiles each expert's
+    own frame."""
 
-    def __init__(self, dim: int = 16, experts: int = 4):
+    def __init__(self, dim: int = 16, experts: int = 4, top_k: int = 1):
         super().__init__()
+        self.top_k = top_k
         self.gate = nn.Linear(dim, experts, bias=False)
         self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = torch.softmax(self.gate(x), dim=-1)
-        choice = weights.argmax(-1)
+        top = weights.topk(self.top_k, dim=-1)
         out = torch.zeros_like(x)
-        for i, expert in enumerate(self.experts):
-            rows = torch.nonzero(choice == i).squeeze(-1)
-            if rows.numel() == 0:
-                continue
-            out.index_add_(0, rows, expert(x[rows]) * weights[rows, i:i + 1])
+        for k in range(self.top_k):
+            for i, expert in enumerate(self.experts):
+                rows = torch.nonzero(top.indices[:, k] == i).squeeze(-1)
+                if rows.numel() == 0:
+                    continue
+                out.index_add_(0, rows, expert(x[rows]) * top.values[rows, k:k + 1])
         return out
 
 
@@ -211,10 +215,10 @@ class RoutedMoE(nn.Module):
     """An MoE block between two dense layers; ``deepspeed.utils.set_z3_leaf_modules(model, [MoEBlock])`` makes the
     block a ZeRO-3 leaf module, as DeepSpeed does by default for Mixtral's and Qwen-MoE's blocks."""
 
-    def __init__(self, dim: int = 16):
+    def __init__(self, dim: int = 16, top_k: int = 1):
         super().__init__()
         self.inp = nn.Linear(dim, dim)
-        self.moe = MoEBlock(dim)
+        self.moe = MoEBlock(dim, top_k=top_k)
         self.head = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -281,7 +285,8 @@ class PatchConv(nn.Module):
 MODELS = {"mlp": OddMLP, "gpt": TinyGPT, "gpt_checkpointed": CheckpointedGPT,
           "gpt_checkpointed_non_reentrant": NonReentrantCheckpointedGPT,
           "gpt_checkpointed_megatron": MegatronStyleCheckpointedGPT, "frozen": PartlyFrozen, "branchy": BranchyMLP,
-          "buffers": WithBuffers, "moe": RoutedMoE, "dropout": DropoutMLP, "gated": GatedBlocks,
+          "buffers": WithBuffers, "moe": RoutedMoE, "moe_top2": lambda: RoutedMoE(top_k=2), "dropout": DropoutMLP,
+          "gated": GatedBlocks,
           "gated_break": GatedBlocksWithBreak, "conv": PatchConv}
 
 
@@ -293,7 +298,7 @@ def make_model(name: str, seed: int = 0) -> nn.Module:
 def make_batch(name: str, step: int, rank: int, batch: int = 4):
     """A deterministic batch per (step, rank) whose targets are a fixed function of its inputs."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name in ("mlp", "branchy", "moe", "dropout", "gated", "gated_break"):
+    if name in ("mlp", "branchy", "moe", "moe_top2", "dropout", "gated", "gated_break"):
         x = torch.randn(batch, 16, generator=g)
         return x, 0.5 * torch.roll(x, 1, dims=-1)
     if name.startswith("gpt"):

@@ -538,9 +538,10 @@ def test_dynamic_shapes_and_changing_batch_size_match_eager_zero3():
 MOE_STEPS = 5
 
 
-def _moe_run(compile_section):
-    """The MoE model with its block a ZeRO-3 leaf module, 3 rows a rank and step: each rank calls only the experts its
-    rows are routed to. Eager ZeRO-3 records which experts each step used on this rank (a hook on the router)."""
+def _moe_run(name, compile_section):
+    """The MoE model (``name``: top-1 or top-2 routing) with its block a ZeRO-3 leaf module, 3 rows a rank and step:
+    each rank calls only the experts its rows are routed to. Eager ZeRO-3 records which experts each step used first
+    on this rank (a hook on the router)."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import set_z3_leaf_modules
@@ -548,7 +549,7 @@ def _moe_run(compile_section):
     from models import MoEBlock, ds_config, make_batch, make_model
     deepspeed.init_distributed(dist_backend="gloo")
     torch._dynamo.reset()
-    model = make_model("moe")
+    model = make_model(name)
     set_z3_leaf_modules(model, [MoEBlock])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                       config=ds_config(3, compile_section, batch=3))
@@ -558,7 +559,7 @@ def _moe_run(compile_section):
     if not compile_section:  # under DeepCompile a hook's .tolist() would break the block's frame elsewhere
         engine.module.moe.gate.register_forward_hook(
             lambda module, args, out: routes.append(sorted(set(out.argmax(-1).tolist()))))
-    out = _record_steps(engine, MOE_STEPS, lambda step: make_batch("moe", step, dist.get_rank(), batch=3))
+    out = _record_steps(engine, MOE_STEPS, lambda step: make_batch(name, step, dist.get_rank(), batch=3))
     out["routes"] = routes
     runtime = runtime_of(engine, active_only=False)
     out.update(params=full_params(engine), active=engine.is_deepcompile_active(),
@@ -567,19 +568,21 @@ def _moe_run(compile_section):
     return out
 
 
-def _moe_pair():
-    return _moe_run(None), _moe_run({"deepcompile": True})
+def _moe_pair(name):
+    return _moe_run(name, None), _moe_run(name, {"deepcompile": True})
 
 
-def test_leaf_module_experts_routed_differently_across_ranks_match_eager_zero3():
+@pytest.mark.parametrize("name", ["moe", "moe_top2"])
+def test_leaf_module_experts_routed_differently_across_ranks_match_eager_zero3(name):
     """Eager ZeRO-3 gathers a leaf module's parameters together when it is entered and reduces all their gradients
     (zeros for an expert without rows) after its backward, so ranks whose rows go to different experts issue the same
     collectives. DeepCompile compiled each called expert's frame with gathers of its own, and reduced only the
     gradients that came: the ranks' collectives differed (gloo: "Received data size doesn't match expected size", a
     crash). Now a leaf module read by eager code is gathered whole, the graphs inside it read those parameters with no
-    collective, and its gradients are reduced together at the end of backward: bitwise eager ZeRO-3."""
+    collective, and its gradients are reduced together at the end of backward: bitwise eager ZeRO-3. With top-2
+    routing an expert's compiled frame runs twice in a forward, and its two gradients are summed before the reduce."""
     from compare import unequal
-    results = run_distributed(_moe_pair)
+    results = run_distributed(_moe_pair, name)
     (eager0, _), (eager1, _) = results
     assert any(a != b for a, b in zip(eager0["routes"], eager1["routes"])), "the ranks routed alike: nothing tested"
     assert any(len(route) < 4 for route in eager0["routes"] + eager1["routes"])
