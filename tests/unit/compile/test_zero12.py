@@ -81,6 +81,35 @@ def _with_hooks(stage, how, backend="eager"):
     return out
 
 
+def _discarded_forward(stage):
+    """Each step runs a forward with grad enabled whose output is dropped (metrics code that forgot ``no_grad``),
+    then the training forward, backward and step. The dropped forward's graph call announced a gradient for every
+    parameter that its backward, which never runs, does not deliver: each gradient that came is handed to ZeRO at
+    the end of backward (``Z12Runtime.backward_epilogue``), as eager ZeRO's hooks reduce it."""
+    import torch
+    import torch.distributed as dist
+    from compare import full_params
+    from models import ds_config, make_batch
+    from training import make_engine
+    out = {}
+    for name, section in (("eager", None), ("deepcompile", {"deepcompile": True})):
+        torch._dynamo.reset()
+        engine = make_engine("gpt", ds_config(stage, section))
+        if section:
+            engine.compile(backend="eager")
+        losses = []
+        for step in range(STEPS):
+            batch = make_batch("gpt", step, dist.get_rank())
+            engine(*batch)
+            loss = engine(*batch)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[name] = {"losses": losses, "params": full_params(engine)}
+        engine.destroy()
+    return out
+
+
 def _checkpoint_round_trip(stage, ckpt_dir):
     """Each engine trains, saves, trains on; a fresh engine of the same kind loads the checkpoint and trains on: it
     must repeat what the saving engine did after saving (parameters and optimizer state carried over)."""
@@ -125,6 +154,7 @@ def _stage_cases(stage, ckpt_dir):
     for how in ("break", "disable", "embedding"):
         out[how] = _with_hooks(stage, how)
     out["checkpoint"] = _checkpoint_round_trip(stage, ckpt_dir)
+    out["discarded"] = _discarded_forward(stage)
     return out
 
 
@@ -163,6 +193,15 @@ def test_fp32_matches_eager_zero_bitwise(stage_results, case):
             assert len(block_graphs) == 1 and all(n.startswith("blocks.0.") for n in block_graphs[0]), block_graphs
     if case == "clipping":  # the option took effect: the norm before clipping is above the clip value
         assert min(results[0][case]["grad_norms"][1]) > 0.05, results[0][case]["grad_norms"]
+
+
+def test_a_dropped_forward_before_the_training_one_matches_eager_zero_bitwise(stage_results):
+    from compare import unequal
+    stage, results = stage_results
+    for out in results:
+        eager, compiled = out["discarded"]["eager"], out["discarded"]["deepcompile"]
+        assert compiled["losses"] == eager["losses"], (compiled["losses"], eager["losses"])
+        assert not unequal(compiled["params"], eager["params"]), unequal(compiled["params"], eager["params"])
 
 
 @pytest.mark.parametrize("how", ["break", "disable", "embedding"])
