@@ -101,18 +101,18 @@ class Z12Runtime:
         for i in grad_inputs:
             key = self._key[id(args[i])]
             self._grad_sources[key] = self._grad_sources.get(key, 0) + 1
-        taken = set(grad_inputs)
-        self._note_eager_uses([t for i, t in enumerate(args) if i not in taken and isinstance(t, Tensor)])
+        self._note_eager_uses(args)
 
-    def _note_eager_uses(self, inputs: List[Tensor]) -> None:
+    def _note_eager_uses(self, inputs: Sequence) -> None:
         """Trained parameters that eager code used earlier in this forward, in computing a graph input (an embedding
         in a frame dynamo skipped, its weight tied to a compiled head): backward runs in reverse, so autograd
         accumulates their eager gradient after the graph's backward has produced its own. Each owes one gradient more,
         and is handed to ZeRO once both have come, summed as autograd sums them. Found by walking the inputs' autograd
         graph back to the parameters' ``AccumulateGrad`` nodes, except through a compiled graph's backward node (its
         parameters were counted by its own call); each node once per forward, each parameter once per backward (all
-        its eager uses reach its one ``AccumulateGrad`` together)."""
-        stack = [t.grad_fn for t in inputs if t.grad_fn is not None]
+        its eager uses reach its one ``AccumulateGrad`` together). The parameters among the inputs are leaves, with no
+        ``grad_fn``: a fully compiled model's call walks nothing."""
+        stack = [t.grad_fn for t in inputs if isinstance(t, Tensor) and t.grad_fn is not None]
         while stack:
             node = stack.pop()
             if node in self._walked:
