@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/steady_step.py \
         --rows ours-zero2,zero2+compile --model llama --size large --steps 8 \
         [--section '{"partitioner": "default"}'] [--zero '[{}, {"reduce_bucket_size": 1e9}]'] \
-        [--aten-profile [forward] | --reduce-timeline] [--op-calls direct,overload]
+        [--aten-profile [forward] [--by-shape] | --reduce-timeline] [--op-calls direct,overload]
 
 Builds each row as ``worker.py`` does (same model, config and batches), runs ``--warm`` untimed steps after the
 compile step, then ``--steps`` timed steps with nothing else in the loop (no memory profiler, no collective
@@ -20,7 +20,8 @@ DeepCompile does: ``capture/compiler._direct_op_calls``): the same configuration
 ``--section`` overrides keys of a DeepCompile row's ``"compile"`` section, ``--zero`` keys of a DeepSpeed row's
 ``"zero_optimization"`` section: a JSON object for every row, or a list of them, one per row. ``--aten-profile``
 instead runs each timed backward (``--aten-profile forward``: forward) under ``torch.profiler`` and prints its ops
-by self CPU time per step (what ``run.py``'s phase table cannot split). ``--reduce-timeline`` instead prints, for
+by self CPU time per step (what ``run.py``'s phase table cannot split; ``--by-shape``: each op split by the shapes of
+its inputs). ``--reduce-timeline`` instead prints, for
 ZeRO-1/2 rows and every rank, when ZeRO's bucket reductions start in backward and how long each takes (both ranks
 start each backward together): what is compute and what is the reductions. A tool for questions the driver's
 numbers raise, not a second benchmark: the benchmark's ratios still come from ``run.py --rounds``.
@@ -72,14 +73,16 @@ def build(args: argparse.Namespace, row: str, section: Dict, zero: Dict) -> Tupl
         worker.ds_config = ds_config
 
 
-def phase_ops(fns: worker.Step, batches: List, phase: str) -> List[Tuple[str, int, float]]:
-    """(op, calls, self CPU seconds) summed over the ``phase`` (forward or backward) of each of ``batches``."""
+def phase_ops(fns: worker.Step, batches: List, phase: str, by_shape: bool = False) -> List[Tuple[str, int, float]]:
+    """(op, calls, self CPU seconds) summed over the ``phase`` (forward or backward) of each of ``batches``; with
+    ``by_shape`` an op is split by the shapes of its inputs (``op [shapes]``)."""
     from torch.profiler import ProfilerActivity, profile
     forward, backward, step = fns
     totals: Dict[str, Tuple[int, float]] = {}
 
     def profiled(name: str):
-        return profile(activities=[ProfilerActivity.CPU]) if name == phase else contextlib.nullcontext()
+        return (profile(activities=[ProfilerActivity.CPU], record_shapes=by_shape) if name == phase
+                else contextlib.nullcontext())
 
     for batch in batches:
         with profiled("forward") as fwd:
@@ -87,9 +90,10 @@ def phase_ops(fns: worker.Step, batches: List, phase: str) -> List[Tuple[str, in
         with profiled("backward") as bwd:
             backward(loss)
         step()
-        for e in (fwd if phase == "forward" else bwd).key_averages():
-            calls, seconds = totals.get(e.key, (0, 0.0))
-            totals[e.key] = (calls + e.count, seconds + e.self_cpu_time_total / 1e6)
+        for e in (fwd if phase == "forward" else bwd).key_averages(group_by_input_shape=by_shape):
+            key = f"{e.key} {e.input_shapes}" if by_shape else e.key
+            calls, seconds = totals.get(key, (0, 0.0))
+            totals[key] = (calls + e.count, seconds + e.self_cpu_time_total / 1e6)
     return sorted(((k, c, s) for k, (c, s) in totals.items()), key=lambda t: -t[2])
 
 
@@ -215,6 +219,7 @@ def main() -> None:
     instead = p.add_mutually_exclusive_group()
     instead.add_argument("--aten-profile", nargs="?", const="backward", choices=("forward", "backward"),
                          help="the ops of backward (or of the phase named) by self CPU time instead")
+    p.add_argument("--by-shape", action="store_true", help="with --aten-profile: each op split by its inputs' shapes")
     instead.add_argument("--reduce-timeline", action="store_true", help="ZeRO-1/2 rows: when ZeRO's bucket reductions run "
                    "in backward and how long each takes, on every rank, instead")
     worker.add_setting_args(p)
@@ -260,7 +265,7 @@ def main() -> None:
                           "ms/step")
     elif args.aten_profile:
         for label, fns in zip(labels, built):
-            ops = phase_ops(fns, timed, args.aten_profile)
+            ops = phase_ops(fns, timed, args.aten_profile, args.by_shape)
             if rank == 0:
                 total = sum(s for _, _, s in ops)
                 print(f"{label}: {args.aten_profile} self CPU {total / args.steps * 1e3:.1f} ms/step")
