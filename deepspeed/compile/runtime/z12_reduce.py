@@ -7,12 +7,16 @@ the partition's gradient buffer (and drops the other gradients). With gloo, and 
 off, the all-reduce blocks: backward stops at every full bucket until every rank has reached it.
 
 :class:`BucketFlush` takes ZeRO's place as ``reduce_ipg_grads`` and does the same steps in another order. At a flush
-in backward the bucket is divided, copied flat in its communication dtype, and the copy's all-reduce is started;
-the bucket's gradients go to the partition at once (their values as ZeRO copies them, divided and not yet reduced),
-so the bucket takes the next gradients straight away. When the collective is done (at the next flush, or at the end
-of backward, where ZeRO asks for every bucket) this rank's slices of the result are written over their place in the
-partition. Every value the optimizer reads is eager ZeRO-2's, bit for bit: the same division, the same collective
-on the same elements, the same casts. The other ranks' slices keep the divided values ZeRO leaves there too.
+in backward the bucket is divided and its all-reduce is started on the bucket's buffer itself, in place; the bucket
+takes a new buffer and the next gradients straight away (the old one is freed when the collective is done). When the
+collective is done (at the next flush, or at the end of backward, where ZeRO asks for every bucket) each gradient of
+this rank's partition is copied out of the reduced buffer into the partition, as ZeRO copies it. Where the bucket's
+communication dtype is not its buffer's (torch autocast), the collective runs on a cast copy instead: the gradients
+go to the partition at once (divided, not yet reduced) and this rank's slices of the result are written over them
+when it is done. Every value the optimizer reads is eager ZeRO-2's, bit for bit: the same division, the same
+collective on the same elements, the same casts. (The other ranks' parts of a gradient that straddles two
+partitions, which nothing reads, hold the reduced values here and the divided ones in eager ZeRO-2.) Eager ZeRO-2
+copies the bucket flat for its collective and copies its slices back; this order copies neither.
 
 ZeRO's other reduction paths run as ZeRO runs them (the counters still count them): gradients bucketed by reference
 (``contiguous_gradients`` off), a gradient larger than the bucket, MoE and Muon parameters, CPU offload, sequence
@@ -33,8 +37,9 @@ from .comm import CommLog
 @dataclass
 class _InFlight:
     work: object
-    flat: Tensor  # the bucket's divided copy, in its communication dtype: the collective's buffer
+    flat: Tensor  # the bucket's divided gradients in its communication dtype: the collective's buffer
     slices: List[Tuple[Tensor, int, int]]  # (this rank's part of a gradient in the partition, offset in flat, numel)
+    later: List[Tuple[Tensor, int]]  # (parameter, group) whose gradient goes to the partition when reduced in place
 
 
 class BucketFlush:
@@ -79,12 +84,12 @@ class BucketFlush:
                 self.finish()  # ZeRO's own path, with nothing of ours still in flight (it would read the partition)
                 self._zero_reduce(comm_dtype)
             elif comm_dtype is not None:
-                self._start(comm_dtype)
+                self._start(comm_dtype, refill=True)
                 self.finish(keep_latest=True)
                 self._counters_of().reduces_started_ahead += 1
             else:
                 for _, dtype in sizes:  # in the buckets' order, the same on every rank: one collective each
-                    self._start(dtype)
+                    self._start(dtype, refill=False)
                 self.finish()
         finally:
             c = self._counters_of()
@@ -99,16 +104,27 @@ class BucketFlush:
         return dtype in opt.extra_large_param_to_reduce or opt.ipg_buckets[dtype].has_moe_params
 
     # ----- the reordered flush ---------------------------------------------------------------------------------
-    def _start(self, dtype: torch.dtype) -> None:
+    def _start(self, dtype: torch.dtype, refill: bool) -> None:
+        """Start the all-reduce of a bucket (``refill``: in backward, where the bucket takes more gradients next)."""
         opt = self.optimizer
         bucket = opt.ipg_buckets[dtype]
         group = opt.dp_process_group
-        tensor = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
+        buffer = bucket.buffer[bucket.index]
+        tensor = buffer.narrow(0, 0, bucket.elements)
         if opt.gradient_average:
             tensor.div_(dist.get_world_size(group=group) / float(opt.sequence_parallel_size))
-        flat = tensor.to(dtype) if dtype != tensor.dtype else tensor.clone()
+        in_place = dtype == tensor.dtype
+        if in_place:
+            # the bucket's own buffer is the collective's: in backward the bucket takes a new one for the next
+            # gradients, and each gradient of this rank's partition stays where it is, reduced in place, until it is
+            # copied to the partition at the finish (one copy, as ZeRO's; no copy of the bucket for the collective)
+            flat = tensor
+            if refill:
+                bucket.buffer[bucket.index] = torch.empty_like(buffer)
+        else:
+            flat = tensor.to(dtype)  # the collective in the communication dtype: this rank's slices are cast back
         work = dist.all_reduce(flat, group=group, async_op=True)
-        slices = []
+        slices, later = [], []
         offset = 0  # of the gradient in the bucket
         for group_idx, param_idx, param_id in bucket.params:
             param = opt.bit16_groups[group_idx][param_idx]
@@ -117,6 +133,8 @@ class BucketFlush:
             opt.params_already_reduced[param_id] = True
             if not opt.is_param_in_current_partition[param_id]:
                 opt.clear_grad_attribute(param)
+            elif in_place:
+                later.append((param, group_idx))  # param.grad is its place in the buffer being reduced
             else:
                 opt.copy_grads_in_partition(param, group_idx)  # param.grad is now its place in the partition
                 ours = self._own_parts.get((group_idx, param_id))
@@ -125,7 +143,7 @@ class BucketFlush:
                     slices.append((param.grad.view(-1).narrow(0, start, numel), offset + start, numel))
             offset += param.numel()
         bucket.clear()
-        self.in_flight.append(_InFlight(work, flat, slices))
+        self.in_flight.append(_InFlight(work, flat, slices, later))
 
     def _own_parts_of_gradients(self) -> Dict[Tuple[int, int], Tuple[int, int]]:
         """For every gradient with a part in this rank's partition, that part's (start, numel), as ZeRO splits a
@@ -143,12 +161,15 @@ class BucketFlush:
         return parts
 
     def finish(self, keep_latest: bool = False) -> None:
-        """Wait for the started all-reduces (all, or all but the newest) and write this rank's reduced slices into
+        """Wait for the started all-reduces (all, or all but the newest) and write this rank's reduced gradients into
         the partition."""
         keep = self.in_flight[-1:] if keep_latest else []
         done = self.in_flight[:len(self.in_flight) - len(keep)]
         self.in_flight = keep
+        opt = self.optimizer
         for flight in done:
             self._waits.wait(flight.work, lambda: f"ZeRO-2's gradient all-reduce of {flight.flat.numel()} elements")
+            for param, group_idx in flight.later:  # in start order: ZeRO lays the partition out as they come
+                opt.copy_grads_in_partition(param, group_idx)
             for dest, offset, numel in flight.slices:
                 dest.copy_(flight.flat.narrow(0, offset, numel))

@@ -58,11 +58,14 @@ def train_and_record(engine, model: str, steps: int, grad_steps: int, compile_kw
     grads: List[Tensors] = []
     live_after_step: List[int] = []
     grad_norms: List[float] = []
+    grad_buffers: List[int] = []
 
     def record_grads(e, step):
         # ZeRO-2 holds a full gradient only at an accumulation boundary: there it is the step's accumulated one
         if step < grad_steps and (e.zero_optimization_stage() != 2 or e.is_gradient_accumulation_boundary()):
             grads.append(full_grads(e))
+        if e.zero_optimization_stage() == 2:
+            grad_buffers.append(gradient_buffers(e))
 
     def record_live(e):
         runtime = runtime_of(e, active_only=False)
@@ -77,7 +80,17 @@ def train_and_record(engine, model: str, steps: int, grad_steps: int, compile_kw
                    after_backward=record_grads)
     return {"losses": losses, "grads": grads, "params": full_params(engine), "master": master_params(engine),
             "master_init": master_init, "master_after_first": master_after_first[0], "buffers": buffers(engine),
-            "grad_norms": grad_norms, "live_after_step": live_after_step}
+            "grad_norms": grad_norms, "live_after_step": live_after_step, "grad_buffers": grad_buffers}
+
+
+def gradient_buffers(engine) -> int:
+    """ZeRO-2, after a backward: how many buffers hold the gradients its optimizer kept for the step (the views it
+    took of this rank's partition, ``averaged_gradients`` at a boundary, ``all_grad_tensors`` before one). Eager ZeRO-2
+    copies each gradient of its partition into one partition buffer, so that no bucket outlives the backward."""
+    opt = engine.optimizer
+    kept = [t for lists in (opt.averaged_gradients, opt.all_grad_tensors) for ts in lists.values() if ts
+            for t in ts if t is not None]
+    return len({t.untyped_storage().data_ptr() for t in kept})
 
 
 def run_eager(model: str, steps: int, dtype: str = "fp32", grad_accum: int = 1, grad_steps: int = 1, stage: int = 3,

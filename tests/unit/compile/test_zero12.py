@@ -20,6 +20,10 @@ FP32_CASES = {  # name: (model, ds_config keywords)
     # buckets of 1000 elements: the odd MLP's gradients fill several (its parameters straddle the two ranks'
     # partitions), and its largest weight (1369 elements) takes ZeRO-2's own path for gradients wider than a bucket
     "accumulation": ("mlp", {"grad_accum": 2, "zero_overrides": {"reduce_bucket_size": 1000}}),
+    # buckets of 5000 elements, wider than any of the GPT's gradients (4096 at most): its 29088 fill six in each
+    # backward, so ZeRO-2's bucket takes back a buffer whose collective has finished while gradients it held are
+    # still to be read
+    "small_buckets": ("gpt", {"zero_overrides": {"reduce_bucket_size": 5000}}),
     "frozen": ("frozen", {}),
     "clipping": ("gpt", {"gradient_clipping": 0.05}),  # the measured gradient norm is about 0.5: it clips
     # ZeRO's other reduce paths: its side-stream overlap, and buckets of gradient references instead of copies (the
@@ -37,7 +41,8 @@ def _summary(r, stage):
     return {"losses": (r["losses"], r["eager_losses"]), "grad_norms": (r["grad_norms"], r["eager_grad_norms"]),
             "grads": [unequal(g, e) for g, e in zip(r["grads"], r["eager_grads"])],
             "params": unequal(r["params"], r["eager_params"]), "master": unequal(r["master"], r["eager_master"]),
-            "active": r["active"], "counters": r["counters"], "graphs": r["graphs"], "traced": r["traced_params"]}
+            "active": r["active"], "counters": r["counters"], "graphs": r["graphs"], "traced": r["traced_params"],
+            "grad_buffers": (r["grad_buffers"], r["eager_grad_buffers"])}
 
 
 def _forward_with_break(model):
@@ -187,6 +192,12 @@ def test_fp32_matches_eager_zero_bitwise(stage_results, case):
         # (contiguous_gradients off) are ZeRO's own path
         overlapped = stage == 2 and case not in ("no_contiguous", "frozen")  # the frozen MLP fills no bucket
         assert (r["counters"]["reduces_started_ahead"] > 0) == overlapped, (case, r["counters"])
+        # ZeRO-2 keeps this rank's gradients in as many buffers as eager ZeRO-2 (its partition buffer: none is left in a
+        # bucket buffer the runtime reduced in place)
+        if stage == 2:
+            assert r["grad_buffers"][0] == r["grad_buffers"][1] and min(r["grad_buffers"][0]) > 0, r["grad_buffers"]
+        if overlapped and case == "small_buckets":
+            assert r["counters"]["reduces_started_ahead"] >= 5 * STEPS, r["counters"]
     if case == "blocks":  # one backward graph reduces the block gradients, traced on the first block, serving both
         for out in results:
             block_graphs = [names for names in out[case]["traced"] if any(n.startswith("blocks.") for n in names)]
