@@ -91,8 +91,10 @@ class CheckpointedGPT(_CheckpointingGPT):
         import deepspeed
         checkpoint = getattr(deepspeed.checkpointing, self.checkpoint_function)
         x = self.embed(idx)
-        for block in self.blocks:
-            x = checkpoint(block, x)
+        for i, block in enumerate(self.blocks):
+            # the last block's function returns its output in a 1-tuple: DeepSpeed's functions hand back a lone output
+            # by itself whatever container it came in
+            x = checkpoint(block if i < len(self.blocks) - 1 else (lambda h, b=block: (b(h), )), x)
         return self.loss(x, targets)
 
 
