@@ -4,10 +4,11 @@
         "wait_for(work, self.timeout)" "wait_for(work, None)" -- test_pipeline.py -k timeout
 
 Prints KILLED (some test failed, as it should) or SURVIVED (every test passed: what the change breaks is untested),
-with pytest's last lines. The pytest arguments are relative to tests/unit/compile, where the suite's conftest puts
-this checkout's ``deepspeed.compile`` first. ``OLD`` must occur exactly once in the file. The file is restored
+with pytest's last lines; NO TEST RAN where pytest collected no test or was misused (a ``-k`` that matches
+nothing), which checks nothing. The pytest arguments are relative to tests/unit/compile, where the suite's conftest
+puts this checkout's ``deepspeed.compile`` first. ``OLD`` must occur exactly once in the file. The file is restored
 whatever ends the run (a failure, Ctrl-C); do not commit while one runs. Exit status: 0 killed, 1 survived, 2 bad
-arguments.
+arguments or no test ran.
 """
 import argparse
 import os
@@ -46,6 +47,10 @@ def main() -> int:
         with open(path, "w") as f:
             f.write(source)
     lines = [line for line in run.stdout.splitlines() if line.strip()][-3:]
+    if run.returncode in (4, 5):  # pytest's usage error, or no test collected: nothing was checked
+        print(f"NO TEST RAN (pytest exit {run.returncode})")
+        print("\n".join(lines))
+        return 2
     verdict = "SURVIVED" if run.returncode == 0 else "KILLED"
     print(f"{verdict} in {time.perf_counter() - start:.0f} s (pytest exit {run.returncode})")
     print("\n".join(lines))
