@@ -4,8 +4,8 @@
         "wait_for(work, self.timeout)" "wait_for(work, None)" -- test_pipeline.py -k timeout
 
 Prints KILLED (some test failed, as it should) or SURVIVED (every test passed: what the change breaks is untested),
-with pytest's last lines; NO TEST RAN where pytest collected no test or was misused (a ``-k`` that matches
-nothing), which checks nothing. The pytest arguments are relative to tests/unit/compile, where the suite's conftest
+with pytest's last lines; NO TEST RAN, before any change, where the tests do not collect as they are (a ``-k`` that
+matches nothing, an interpreter without torch), which would check nothing. The pytest arguments are relative to tests/unit/compile, where the suite's conftest
 puts this checkout's ``deepspeed.compile`` first. ``OLD`` must occur exactly once in the file. The file is restored
 whatever ends the run (a failure, Ctrl-C); do not commit while one runs. Exit status: 0 killed, 1 survived, 2 bad
 arguments or no test ran.
@@ -37,20 +37,26 @@ def main() -> int:
         return 2
     env = dict(os.environ, DS_ACCELERATOR="cpu",
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, "build", "torch_extensions")))
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    # the tests must be collectable as they are (this interpreter has torch and the suite's imports): else a test
+    # erroring on a missing module would read as a mutation killed
+    collect = subprocess.run([*pytest, "--collect-only", *args.pytest_args], cwd=TESTS, env=env, capture_output=True,
+                             text=True, timeout=args.timeout)
+    if collect.returncode != 0:
+        lines = [line for line in collect.stdout.splitlines() if line.strip()][-3:]
+        print(f"NO TEST RAN: the tests do not collect unchanged (pytest exit {collect.returncode}, {sys.executable})")
+        print("\n".join(lines))
+        return 2
     start = time.perf_counter()
     try:
         with open(path, "w") as f:
             f.write(source.replace(args.old, args.new))
-        run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args.pytest_args],
-                             cwd=TESTS, env=env, capture_output=True, text=True, timeout=args.timeout)
+        run = subprocess.run([*pytest, "-x", *args.pytest_args], cwd=TESTS, env=env, capture_output=True, text=True,
+                             timeout=args.timeout)
     finally:
         with open(path, "w") as f:
             f.write(source)
     lines = [line for line in run.stdout.splitlines() if line.strip()][-3:]
-    if run.returncode in (4, 5):  # pytest's usage error, or no test collected: nothing was checked
-        print(f"NO TEST RAN (pytest exit {run.returncode})")
-        print("\n".join(lines))
-        return 2
     verdict = "SURVIVED" if run.returncode == 0 else "KILLED"
     print(f"{verdict} in {time.perf_counter() - start:.0f} s (pytest exit {run.returncode})")
     print("\n".join(lines))
