@@ -28,3 +28,15 @@ def lookup(runtime_id: int):
 
 def live() -> List[object]:
     return list(_runtimes.values())
+
+
+def backward_after_its_step() -> RuntimeError:
+    """The error for a compiled backward that runs after the engine ended its step's backward: a runtime ends the
+    backward of every forward run since the last one at the first ``engine.backward()``, so a second backward for
+    one of those forwards finds its parameters put back for eager ZeRO."""
+    return RuntimeError(
+        "deepspeed-compile: a compiled graph's backward ran after engine.backward() had ended the backward of the "
+        "forwards before it. With DeepCompile, one engine.backward() covers every forward run since the last "
+        "backward: two forwards whose losses are back-propagated separately (forward, forward, backward, backward) "
+        "are not supported. Sum their losses into one engine.backward(), or run each forward's backward before the "
+        "next forward (gradient accumulation does that)")

@@ -72,6 +72,7 @@ class Z12Runtime:
         self._eager_sources: Set[int] = set()  # keys whose eager gradient a graph call announced (_note_eager_uses)
         self._walked: Set = set()  # autograd nodes _note_eager_uses walked in this forward
         self._backward_pending = False
+        self._in_forward = False  # a backward inside a forward (torch.autograd.grad in the model) belongs to it
         self._own_hooks: List = []
         self._take_over_grad_hooks()
         # ZeRO's bucket reductions, counted, and at ZeRO-2 left in flight while backward goes on
@@ -149,6 +150,8 @@ class Z12Runtime:
     def reduce(self, key: int, grad: Tensor) -> None:
         """A compiled backward produced parameter ``key``'s gradient: accumulate it into ``param.grad`` as
         ``AccumulateGrad`` does (``+=`` on an existing gradient), and hand it to ZeRO once its last source came."""
+        if not (self._backward_pending or self._in_forward):  # the backward that ended its step's forwards has run
+            raise registry.backward_after_its_step()
         param = self.params[key]
         if key in self._handed:
             self._second_gradient(key)
@@ -254,9 +257,11 @@ class Z12Runtime:
         if not self._backward_pending:
             self._grad_sources.clear()
             self._eager_sources.clear()
+        self._in_forward = True
         try:
             yield
         finally:
+            self._in_forward = False
             self._walked.clear()  # the forward's autograd nodes are not held past it
         self._backward_pending = self._backward_pending or torch.is_grad_enabled()
         if not self._backward_pending:

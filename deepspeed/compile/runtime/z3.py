@@ -146,9 +146,14 @@ class Z3Runtime:
         address = (standin.untyped_storage().data_ptr(), standin.data_ptr())
         param = self._by_standin.get(address)
         if param is None or (param.data.untyped_storage().data_ptr(), param.data.data_ptr()) != address:
+            # not from an empty .data: ZeRO's own partitioned ones all share one address, which names no parameter
             self._by_standin = {(p.data.untyped_storage().data_ptr(), p.data.data_ptr()): p
-                                for p in self.sharded.values()}
+                                for p in self.sharded.values() if p.data.numel()}
             param = self._by_standin.get(address)
+            if param is None and standin.numel() == 0:
+                # a graph saved the parameter itself for its backward, and the step's backward has put ZeRO's empty
+                # .data back since: this backward runs after the one that ended its step
+                raise registry.backward_after_its_step()
             if param is None:
                 raise AssertionError("deepspeed-compile: a graph op was given a tensor that is not the stand-in of "
                                      "a sharded ZeRO-3 parameter of this engine")
