@@ -110,6 +110,18 @@ def run_reduce(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor
     registry.lookup(runtime_id).reduce_op(grad, ds_id, param)
 
 
+def gradient_wanted(param: Tensor) -> bool:
+    """Whether the backward running now accumulates ``param``'s gradient: ``loss.backward()`` does,
+    ``torch.autograd.grad(loss, inputs)`` and ``backward(inputs=...)`` without it do not. A compiled backward computes
+    every gradient its graph has (autograd drops those it was not asked for), so a reduce must ask: else an input
+    gradient taken for an adversarial step would train the parameters too. Outside autograd's engine (nothing to ask)
+    it is."""
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except RuntimeError:  # not inside a backward of autograd's engine
+        return True
+
+
 @reduce_grad.register_fake
 def _reduce_fake(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor], after: List[Tensor]) -> None:
     return None

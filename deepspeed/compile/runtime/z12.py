@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from . import registry
+from .ops import gradient_wanted
 from .z12_reduce import BucketFlush
 
 
@@ -136,7 +137,9 @@ class Z12Runtime:
     def reduce_op(self, grad: Tensor, traced_key: int, param: Optional[Tensor]) -> None:
         """The ``reduce_grad`` op: the gradient of ``param``, the parameter the backward was handed (the graph may
         serve another module of the code it was traced on, whose parameter ``traced_key`` names)."""
-        self.reduce(self.key_of(param), grad)
+        key = self.key_of(param)
+        if gradient_wanted(self.params[key]):  # else torch.autograd.grad of other inputs: dropped, as autograd drops it
+            self.reduce(key, grad)
 
     def key_of(self, param: Tensor) -> int:
         """The key of a trained parameter, from the tensor a graph op is given: the parameter object itself (the

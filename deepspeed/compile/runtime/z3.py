@@ -24,6 +24,7 @@ from torch.nn import Parameter
 from ..native.gather import cast_all_gather_python, load_native
 from . import registry, standins
 from .comm import CommLog, Counters
+from .ops import gradient_wanted
 from .eager_access import (EagerAccess, install_forwards_gathering_returned,
                            uninstall_forwards_gathering_returned)
 from .z3_reduce import GradientReducer
@@ -310,6 +311,8 @@ class Z3Runtime:
         ``ds_id``: a graph that hands a parameter back as it is gets its gradient as a backward input, with no
         stand-in to name it (such graphs are bound to their traced parameters, ``compiler.make_backend``)."""
         param = self.params[ds_id] if standin is None else self.param_of(standin)
+        if not gradient_wanted(param):  # torch.autograd.grad of other inputs: this gradient is dropped, as autograd's
+            return
         # a ZeRO-3 leaf module's parameter is held to the end of backward (EagerAccess.reduce_leaf_grads)
         if not self.eager.hold_leaf_grad(param, grad):
             self.reducer.reduce(param.ds_id, grad)
