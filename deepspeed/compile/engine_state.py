@@ -194,7 +194,7 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
                        "torch.utils.checkpoint, which recomputes the same ops but keeps the checkpointed inputs whole "
                        "on the device)")
     blocks = compile_config.regions == "blocks"
-    _prepare_module_compile(engine, wrap_direct_calls=stage == 3, drop_fullgraph=blocks)
+    _prepare_module_compile(engine, wrap_direct_calls=True, drop_fullgraph=blocks)
     if blocks:
         from .capture import regions
         compile_kwargs = compile_kwargs or {}
@@ -207,10 +207,12 @@ def _prepare_module_compile(engine, wrap_direct_calls: bool, drop_fullgraph: boo
     """Adjust the ``engine.module.compile(...)`` the engine runs right after this returns: an instance attribute
     shadows that method once.
 
-    ``wrap_direct_calls`` (ZeRO-3): ``engine.module(...)`` called directly, not through the engine, runs in a forward
-    context too. Hugging Face's Trainer evaluates by calling the module, and ``generate`` calls it once per token. The
-    engine's forward installs the stand-ins dynamo traces the partitioned parameters with; a direct call skipped that,
-    and dynamo traced ZeRO-3's empty ``.data`` (an embedding "must be 2-D" error). The compiled call is wrapped to
+    ``wrap_direct_calls``: ``engine.module(...)`` called directly, not through the engine, runs in a forward context
+    too. Hugging Face's Trainer evaluates by calling the module, and ``generate`` calls it once per token. At ZeRO-3
+    the engine's forward installs the stand-ins dynamo traces the partitioned parameters with; a direct call skipped
+    that, and dynamo traced ZeRO-3's empty ``.data`` (an embedding "must be 2-D" error). At ZeRO-1/2 the forward
+    context opens the step whose backward hands the gradients to ZeRO; a direct call trained through
+    ``engine.backward`` failed without it (a ``KeyError`` in the gradient bookkeeping). The compiled call is wrapped to
     enter :func:`direct_call_context`.
 
     ``drop_fullgraph`` (``regions: "blocks"``): the model's own frame breaks at every block by design, so

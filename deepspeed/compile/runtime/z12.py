@@ -254,6 +254,10 @@ class Z12Runtime:
             self.input_cast_hook = None
 
     # ----- engine hooks ----------------------------------------------------------------------------------
+    @property
+    def forward_running(self) -> bool:
+        return self._in_forward
+
     @contextmanager
     def forward_context(self):
         """One forward of the engine; with grad enabled, a backward will end the step's gradient bookkeeping."""

@@ -24,9 +24,9 @@ from torch.nn import Parameter
 from ..native.gather import cast_all_gather_python, load_native
 from . import registry, standins
 from .comm import CommLog, Counters
-from .ops import gradient_wanted
 from .eager_access import (EagerAccess, install_forwards_gathering_returned,
                            uninstall_forwards_gathering_returned)
+from .ops import gradient_wanted
 from .z3_reduce import GradientReducer
 from .z3_runs import GatherRuns, shard_state
 

@@ -285,6 +285,45 @@ def test_two_forwards_one_backward_matches_eager_and_separate_backwards_are_refu
             assert "one engine.backward() covers every forward" in r["separate"].get("error", ""), (stage, r["separate"])
 
 
+# ----- the module called directly ------------------------------------------------------------------------------------
+def _direct_calls(stage, section):
+    """Three steps whose forward calls ``engine.module`` directly, not the engine, then ``engine.backward``."""
+    import torch.distributed as dist
+    from compare import full_params
+    from models import ds_config, make_batch
+    from training import make_engine
+    torch._dynamo.reset()
+    engine = make_engine("gpt", ds_config(stage, section))
+    if section:
+        engine.compile(backend="eager")
+    losses = []
+    for step in range(3):
+        loss = engine.module(*make_batch("gpt", step, dist.get_rank()))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out = {"losses": losses, "params": full_params(engine), "active": engine.is_deepcompile_active()}
+    engine.destroy()
+    return out
+
+
+def _direct_call_pairs():
+    return {stage: (_direct_calls(stage, None), _direct_calls(stage, {"deepcompile": True})) for stage in (1, 2, 3)}
+
+
+def test_module_called_directly_trains_as_eager_zero():
+    """The forward through ``engine.module(...)``, not the engine (as code that unwraps the engine does), then
+    ``engine.backward()``: bitwise eager ZeRO at every stage. At ZeRO-1/2 such a forward ran outside the runtime's
+    forward context, which opens the step its backward ends, and the backward failed (a ``KeyError`` in the gradient
+    bookkeeping); direct calls are now wrapped at every stage, as they were at ZeRO-3."""
+    from compare import unequal
+    for by_stage in run_distributed(_direct_call_pairs):
+        for stage, (eager, compiled) in by_stage.items():
+            assert compiled["active"], stage
+            assert compiled["losses"] == eager["losses"], (stage, compiled["losses"], eager["losses"])
+            assert not unequal(compiled["params"], eager["params"]), (stage, unequal(compiled["params"], eager["params"]))
+
+
 # ----- an input gradient before the training backward ---------------------------------------------------------------
 def _adversarial(section):
     """Three steps of an adversarial update of the inputs: the loss's gradient with respect to the input alone
