@@ -115,11 +115,19 @@ def gradient_wanted(param: Tensor) -> bool:
     ``torch.autograd.grad(loss, inputs)`` and ``backward(inputs=...)`` without it do not. A compiled backward computes
     every gradient its graph has (autograd drops those it was not asked for), so a reduce must ask: else an input
     gradient taken for an adversarial step would train the parameters too. Outside autograd's engine (nothing to ask)
-    it is."""
+    it is. ``torch.autograd.grad`` asking for the parameter's own gradient raises: the backward hands it to ZeRO and
+    returns none, so autograd would answer None."""
     try:
         return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
-    except RuntimeError:  # not inside a backward of autograd's engine
-        return True
+    except RuntimeError as err:
+        if "backward pass" in str(err):  # not inside a backward of autograd's engine
+            return True
+        # autograd's engine refuses the question for a leaf that torch.autograd.grad captures: this parameter
+        raise RuntimeError(
+            "deepspeed-compile: torch.autograd.grad() asked for the gradient of a parameter of a DeepCompile engine. "
+            "Its compiled backward hands each parameter's gradient to ZeRO and returns none, so the answer would be "
+            "None. Take parameter gradients with engine.backward() (read them with "
+            "deepspeed.utils.safe_get_full_grad), or run this model without DeepCompile") from err
 
 
 @reduce_grad.register_fake

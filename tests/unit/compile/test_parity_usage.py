@@ -350,8 +350,29 @@ def _adversarial(section):
     return out
 
 
+def _parameter_gradients(section):
+    """``torch.autograd.grad`` of a loss with respect to the parameters themselves: each gradient's shape, or the
+    error raised."""
+    import torch.distributed as dist
+    from models import ds_config, make_batch
+    from training import make_engine
+    torch._dynamo.reset()
+    engine = make_engine("mlp", ds_config(3, section))
+    if section:
+        engine.compile(backend="eager")
+    try:
+        grads = torch.autograd.grad(engine(*make_batch("mlp", 0, dist.get_rank())), list(engine.module.parameters()),
+                                    allow_unused=True)
+        out = [None if g is None else tuple(g.shape) for g in grads]
+    except RuntimeError as err:
+        out = str(err)
+    engine.destroy()
+    return out
+
+
 def _adversarial_pair():
-    return _adversarial(None), _adversarial({"deepcompile": True})
+    return (_adversarial(None), _adversarial({"deepcompile": True}), _parameter_gradients(None),
+            _parameter_gradients({"deepcompile": True}))
 
 
 def test_input_gradient_does_not_train_the_parameters():
@@ -360,9 +381,14 @@ def test_input_gradient_does_not_train_the_parameters():
     gradients as well (parameters 10% off eager ZeRO-3's after 3 steps). A reduce now asks autograd whether the
     running backward accumulates its parameter's gradient (``ops.gradient_wanted``): bitwise eager ZeRO-3. (Eager
     ZeRO-1/2 fail on this pattern in DeepSpeed's own backward hook, an IndexError, so those stages have no
-    reference here.)"""
+    reference here.) ``torch.autograd.grad`` with respect to the parameters, which eager ZeRO-3 answers, raises a
+    named error instead of answering None."""
     from compare import unequal
-    for eager, compiled in run_distributed(_adversarial_pair):
+    for eager, compiled, eager_param_grads, param_grads in run_distributed(_adversarial_pair):
+        # asked for the parameters' own gradients, eager ZeRO-3 answers them; the compiled backward hands them to ZeRO
+        # and returns none: autograd answered None for each, and now the reduce op raises, saying so
+        assert eager_param_grads and all(g is not None for g in eager_param_grads), eager_param_grads
+        assert "torch.autograd.grad() asked for the gradient of a parameter" in param_grads, param_grads
         assert compiled["active"]
         assert compiled["losses"] == eager["losses"], (compiled["losses"], eager["losses"])
         assert not unequal(compiled["params"], eager["params"]), unequal(compiled["params"], eager["params"])
