@@ -37,6 +37,7 @@ def backward_after_its_step() -> RuntimeError:
     return RuntimeError(
         "deepspeed-compile: a compiled graph's backward ran after engine.backward() had ended the backward of the "
         "forwards before it. With DeepCompile, one engine.backward() covers every forward run since the last "
-        "backward: two forwards whose losses are back-propagated separately (forward, forward, backward, backward) "
-        "are not supported. Sum their losses into one engine.backward(), or run each forward's backward before the "
-        "next forward (gradient accumulation does that)")
+        "backward: two forwards whose losses are back-propagated separately (forward, forward, backward, backward), "
+        "or one loss back-propagated twice (retain_graph=True), are not supported. Sum the losses into one "
+        "engine.backward(), or run each forward's backward before the next forward (gradient accumulation does "
+        "that)")
