@@ -1,14 +1,15 @@
 """Does any test notice? Apply one exact text replacement to a source file, run pytest, put the file back.
 
-    python scripts/mutate.py deepspeed/compile/runtime/comm.py \
+    .venv/bin/python scripts/mutate.py deepspeed/compile/runtime/comm.py \
         "wait_for(work, self.timeout)" "wait_for(work, None)" -- test_pipeline.py -k timeout
 
 Prints KILLED (some test failed, as it should) or SURVIVED (every test passed: what the change breaks is untested),
 with pytest's last lines; NO TEST RAN, before any change, where the tests do not collect as they are (a ``-k`` that
-matches nothing, an interpreter without torch), which would check nothing. The pytest arguments are relative to tests/unit/compile, where the suite's conftest
-puts this checkout's ``deepspeed.compile`` first. ``OLD`` must occur exactly once in the file. The file is restored
-whatever ends the run (a failure, Ctrl-C); do not commit while one runs. Exit status: 0 killed, 1 survived, 2 bad
-arguments or no test ran.
+matches nothing, an interpreter without torch), which would check nothing. Run it with the interpreter that has
+the suite's packages (``.venv/bin/python``). The pytest arguments are relative to tests/unit/compile, where the
+suite's conftest puts this checkout's ``deepspeed.compile`` first. ``OLD`` must occur exactly once in the file. The
+file is restored whatever ends the run (a failure, Ctrl-C); do not commit while one runs. Exit status: 0 killed,
+1 survived, 2 bad arguments or no test ran.
 """
 import argparse
 import os

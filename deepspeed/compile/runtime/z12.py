@@ -73,7 +73,7 @@ class Z12Runtime:
         self._eager_sources: Set[int] = set()  # keys whose eager gradient a graph call announced (_note_eager_uses)
         self._walked: Set = set()  # autograd nodes _note_eager_uses walked in this forward
         self._backward_pending = False
-        self._in_forward = False  # a backward inside a forward (torch.autograd.grad in the model) belongs to it
+        self._forward_running = False  # a backward inside a forward (torch.autograd.grad in the model) belongs to it
         self._own_hooks: List = []
         self._take_over_grad_hooks()
         # ZeRO's bucket reductions, counted, and at ZeRO-2 left in flight while backward goes on
@@ -153,7 +153,7 @@ class Z12Runtime:
     def reduce(self, key: int, grad: Tensor) -> None:
         """A compiled backward produced parameter ``key``'s gradient: accumulate it into ``param.grad`` as
         ``AccumulateGrad`` does (``+=`` on an existing gradient), and hand it to ZeRO once its last source came."""
-        if not (self._backward_pending or self._in_forward):  # the backward that ended its step's forwards has run
+        if not (self._backward_pending or self._forward_running):  # the backward that ended its step's forwards has run
             raise registry.backward_after_its_step()
         param = self.params[key]
         if key in self._handed:
@@ -256,7 +256,7 @@ class Z12Runtime:
     # ----- engine hooks ----------------------------------------------------------------------------------
     @property
     def forward_running(self) -> bool:
-        return self._in_forward
+        return self._forward_running
 
     @contextmanager
     def forward_context(self):
@@ -264,11 +264,11 @@ class Z12Runtime:
         if not self._backward_pending:
             self._grad_sources.clear()
             self._eager_sources.clear()
-        self._in_forward = True
+        self._forward_running = True
         try:
             yield
         finally:
-            self._in_forward = False
+            self._forward_running = False
             self._walked.clear()  # the forward's autograd nodes are not held past it
         self._backward_pending = self._backward_pending or torch.is_grad_enabled()
         if not self._backward_pending:

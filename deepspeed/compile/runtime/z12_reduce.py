@@ -54,8 +54,9 @@ class BucketFlush:
         self.in_flight: List[_InFlight] = []  # started all-reduces, oldest first
         self.overlapped = self._can_overlap()
         # (group, ZeRO param id) -> (start, numel) of the part of its gradient in this rank's partition: fixed when
-        # ZeRO partitioned its groups, so worked out once here, not at every flush
-        self._own_parts = self._own_parts_of_gradients() if self.overlapped else {}
+        # ZeRO partitioned its groups, worked out at the first bucket reduced through a cast copy (torch autocast's
+        # buckets; the others are reduced in place and need none)
+        self._own_parts: Optional[Dict[Tuple[int, int], Tuple[int, int]]] = None
 
     def _can_overlap(self) -> bool:
         """Whether ZeRO's reduction here is the one this class reorders: ZeRO-2 copying gradients into its
@@ -137,6 +138,8 @@ class BucketFlush:
                 later.append((param, group_idx))  # param.grad is its place in the buffer being reduced
             else:
                 opt.copy_grads_in_partition(param, group_idx)  # param.grad is now its place in the partition
+                if self._own_parts is None:
+                    self._own_parts = self._own_parts_of_gradients()
                 ours = self._own_parts.get((group_idx, param_id))
                 if ours is not None:
                     start, numel = ours
