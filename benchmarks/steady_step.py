@@ -193,8 +193,12 @@ def comm_summary(before: Optional[Dict], after: Optional[Dict], steps: int) -> s
     if "gather_seconds" in after:
         gathers = (f"all-gather wait {per_step('gather_seconds') * 1e3:.1f} ms "
                    f"({per_step('allgather_collectives'):.0f} collectives), ")
+    fused = ""
+    if "matmul_grads" in after:  # ZeRO-1/2
+        fused = (f", {per_step('matmul_grads'):.0f} weight gradients computed by their reduce "
+                 f"({per_step('grads_in_bucket'):.0f} in ZeRO's bucket)")
     return (f"; per step: {gathers}reduce wait {per_step('reduce_wait_seconds') * 1e3:.1f} ms "
-            f"({per_step('reduce_collectives'):.0f} collectives); forward graphs compiled: "
+            f"({per_step('reduce_collectives'):.0f} collectives){fused}; forward graphs compiled: "
             f"{after.get('graphs_compiled', 0)}")
 
 

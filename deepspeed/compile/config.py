@@ -46,6 +46,10 @@ class CompileConfig(DeepSpeedConfigModel):
     in backward (the design of this module). ``"default"``: AOTAutograd's default partition, for comparison."""
     fused_cast: bool = True
     """Fold a downcast of a gathered parameter into its all-gather: the shard is cast before it is sent."""
+    fused_matmul_reduce: bool = True
+    """ZeRO-1/2: a reduce whose gradient is a matmul's result (a linear layer's weight gradient) computes the
+    product itself, into ZeRO-2's reduce bucket where it goes at once, instead of copying the graph's result there.
+    False: the graph computes it and the reduce copies it, for comparison."""
     schedule: Literal["fast_free", "traced"] = "fast_free"
     """``"fast_free"``: reorder each graph so gathered parameters are released as early as possible and gathered
     just in time (``docs/schedule.md``). ``"traced"``: keep the traced order (gathers at the top), for comparison."""

@@ -40,6 +40,8 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
     if state.stage != 3:
         report["eager_grads"] = c.eager_grads
         report["reduces_started_ahead"] = c.reduces_started_ahead  # ZeRO-2 bucket reductions left in flight
+        report["matmul_grads"] = c.matmul_grads  # weight gradients the reduce computed (fused with its matmul)
+        report["grads_in_bucket"] = c.grads_in_bucket  # of those, computed in ZeRO-2's bucket: no copy into it
     else:
         report.update({
             "gather_path": runtime.gather_path,

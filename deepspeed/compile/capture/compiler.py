@@ -217,8 +217,9 @@ class GraphCompiler:
                 self.stats.add(part)
 
     def _finish(self, gm: GraphModule, example_inputs, *, is_backward: bool, is_inference: bool):
+        fuse = is_backward and self.runtime.stage != 3 and self.config.fused_matmul_reduce
         if self.backend == "eager":
-            return boxed_eager(gm)
+            return boxed_eager(rewrite.fuse_matmul_reduces_pass(gm) if fuse else gm)
         from torch._inductor.compile_fx import compile_fx_inner
         # A reduce's parameter input is a handle: the runtime finds the parameter from its storage (``param_of``). A
         # parameter also read by eager code in the step (a tied weight a Python frame uses) holds its gathered data
@@ -226,6 +227,8 @@ class GraphCompiler:
         # stand-in's it was traced with; inductor's input asserts would reject it. Nothing in the graph reads it.
         handles = is_backward and any(is_reduce(n) and n.args[3] is not None for n in gm.graph.nodes)
         rewrite.defer_reduces_pass(gm)  # a reduce where its gradient is produced would split fused kernels
+        if fuse:
+            rewrite.fuse_matmul_reduces_pass(gm)
         rewrite.chain_collectives_pass(gm)  # inductor may not reorder our collectives (shape-dependent rules)
         for node in gm.graph.nodes:  # our ops without the layers tracing needed: called past them from here on
             if node.op == "call_function" and node.target in UNTRACED_CALLS:

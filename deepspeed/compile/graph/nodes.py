@@ -14,7 +14,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from ..runtime.ops import GATHER, RELEASE, REDUCE
+from ..runtime.ops import GATHER, RELEASE, REDUCE, REDUCE_MM
 
 # Ops whose result shares storage with their first argument without declaring it in the schema.
 UNDECLARED_ALIAS_OPS = (torch.ops.aten._unsafe_view.default, )
@@ -76,6 +76,11 @@ def is_release(node: Node) -> bool:
 
 def is_reduce(node: Node) -> bool:
     return node.op == "call_function" and node.target is REDUCE
+
+
+def is_reduce_mm(node: Node) -> bool:
+    """A reduce fused with the matmul that computes its gradient (``rewrite.fuse_matmul_reduces_pass``)."""
+    return node.op == "call_function" and node.target is REDUCE_MM
 
 
 def _arg_value(node: Node, index: int, name: str):
@@ -147,6 +152,25 @@ def mutated_inputs(node: Node) -> List[Node]:
             if isinstance(value, Node):
                 found.append(value)
     return found
+
+
+def matmul_behind(node: Node) -> Optional[Node]:
+    """The ``aten.mm`` node whose result ``node`` is, as it is: the matmul itself, or views of it (read-only
+    aliases, such as the two transposes AOTAutograd leaves on a linear layer's weight gradient) that come back to
+    its own shape and strides; the matmul and each view read by nothing else. None otherwise."""
+    val = node.meta.get("val")
+    source = node
+    while source.op == "call_function" and source.target is not torch.ops.aten.mm.default:
+        inner = alias_source(source)
+        if inner is None or source.target is operator.getitem or mutated_inputs(source) or len(inner.users) != 1:
+            return None
+        source = inner
+    if source.op != "call_function" or source.kwargs or len(source.users) != 1:
+        return None
+    mm = source.meta.get("val")
+    same = (isinstance(val, torch.Tensor) and isinstance(mm, torch.Tensor) and val.shape == mm.shape
+            and val.stride() == mm.stride() and val.storage_offset() == mm.storage_offset())
+    return source if same else None
 
 
 def downcast_dtype(node: Node) -> Optional[torch.dtype]:

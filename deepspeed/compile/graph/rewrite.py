@@ -10,17 +10,18 @@
   by the graph that consumes it last.
 - :func:`insert_reduces_pass` (backward) reduce-scatters each parameter gradient where it is produced and
   returns ``None`` in its place, so autograd never accumulates a full-size gradient; for inductor,
-  :func:`defer_reduces_pass` moves each down past the fusible code after it.
+  :func:`defer_reduces_pass` moves each down past the fusible code after it; at ZeRO-1/2,
+  :func:`fuse_matmul_reduces_pass` has the runtime compute a matmul's gradient where it is reduced.
 """
 from typing import Dict, List, Optional, Set
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ..runtime.ops import GATHER, PARAM_GRAD, RELEASE, REDUCE, encode_plan
-from .nodes import (META_DS_ID, alias_closure, downcast_dtype, gather_args, gather_dtype, is_gather, is_reduce,
-                    is_release, joint_primals, output_args, output_node, placeholders, reader_outputs, set_gather_args,
-                    size_hint, storage_root)
+from ..runtime.ops import GATHER, PARAM_GRAD, RELEASE, REDUCE, REDUCE_MM, encode_plan
+from .nodes import (META_DS_ID, alias_closure, alias_source, downcast_dtype, gather_args, gather_dtype, is_gather,
+                    is_reduce, is_reduce_mm, is_release, joint_primals, matmul_behind, output_args, output_node,
+                    placeholders, reader_outputs, set_gather_args, size_hint, storage_root)
 
 # Set on a forward output node / backward placeholder: the ds_id of the gathered parameter it aliases.
 META_ESCAPED_DS_ID = "dsc_escaped_ds_id"
@@ -123,11 +124,11 @@ def chain_collectives_pass(gm: GraphModule) -> GraphModule:
             if token is not None and token not in after:
                 set_gather_args(node, after=after + [token])
             token = node
-        elif is_reduce(node):
-            grad, runtime_id, ds_id, param, after = node.args
+        elif is_reduce(node) or is_reduce_mm(node):
+            *inputs, after = node.args
             if token is not None and token not in after:
-                node.args = (grad, runtime_id, ds_id, param, list(after) + [token])
-            token = grad
+                node.args = (*inputs, list(after) + [token])
+            token = inputs[0] if is_reduce(node) else node  # a fused reduce's token result
     gm.graph.lint()
     return gm
 
@@ -171,6 +172,33 @@ def defer_reduces_pass(gm: GraphModule) -> GraphModule:
             for reduce in pending:
                 node.prepend(reduce)
             pending, grads = [], set()
+    graph.lint()
+    return gm
+
+
+def fuse_matmul_reduces_pass(gm: GraphModule) -> GraphModule:
+    """Each reduce whose gradient is a matmul's result as it is, read by nothing else (a linear layer's weight
+    gradient: :func:`nodes.matmul_behind`), becomes one ``reduce_grad_mm`` at the reduce's place, and the matmul and
+    its views go: the runtime computes the product where the gradient goes (ZeRO-2's reduce bucket) instead of the
+    graph computing it into a buffer of its own that is then copied there, and skips it where autograd does not want
+    the gradient (``ops.reduce_grad_mm``). The matmul runs later by at most the code between it and the reduce, none
+    of which reads it; the product is the same kernel's on the same operands. For the final graphs of ZeRO-1/2,
+    after every pass that reads the reduces."""
+    graph = gm.graph
+    for node in [n for n in graph.nodes if is_reduce(n)]:
+        grad = node.args[0]
+        mm = matmul_behind(grad) if isinstance(grad, Node) else None
+        if mm is None:
+            continue
+        with graph.inserting_before(node):
+            fused = graph.call_function(REDUCE_MM, (*mm.args, *node.args[1:]))
+        fused.meta["val"] = mm.meta["val"].new_empty(0)
+        graph.erase_node(node)
+        while grad is not mm:  # the views, then the matmul
+            inner = alias_source(grad)
+            graph.erase_node(grad)
+            grad = inner
+        graph.erase_node(mm)
     graph.lint()
     return gm
 

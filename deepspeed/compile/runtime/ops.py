@@ -135,6 +135,30 @@ def _reduce_fake(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tens
     return None
 
 
+@torch.library.custom_op("dsc::reduce_grad_mm", mutates_args=())
+def reduce_grad_mm(mat1: Tensor, mat2: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor],
+                   after: List[Tensor]) -> Tensor:
+    """``reduce_grad(mm(mat1, mat2), runtime_id, ds_id, param, after)`` as one op (``rewrite.fuse_matmul_reduces_pass``,
+    ZeRO-1/2): the runtime computes the product where the gradient goes, ZeRO-2's reduce bucket, instead of into a
+    buffer of the graph's that is then copied there, and not at all when autograd does not want the gradient. The
+    result is an empty tensor, a token: what the next collective of inductor's graphs waits for (a reduce's own
+    gradient plays that part, ``rewrite.chain_collectives_pass``). The op is registered as having a side effect, so no
+    compiler drops it for its unused result."""
+    return run_reduce_mm(mat1, mat2, runtime_id, ds_id, param, after)
+
+
+def run_reduce_mm(mat1: Tensor, mat2: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor],
+                  after: List[Tensor]) -> Tensor:
+    registry.lookup(runtime_id).reduce_product_op(mat1, mat2, ds_id, param)
+    return mat1.new_empty(0)
+
+
+@reduce_grad_mm.register_fake
+def _reduce_mm_fake(mat1: Tensor, mat2: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor],
+                    after: List[Tensor]) -> Tensor:
+    return mat1.new_empty(0)
+
+
 Run = Sequence[Tuple[int, Optional[torch.dtype]]]  # a run of coalesced gathers: (ds_id, gather dtype or None)
 
 
@@ -161,10 +185,11 @@ def decode_plan(plan: str) -> Tuple[Run, Run]:
 GATHER = torch.ops.dsc.gather_param.default
 RELEASE = torch.ops.dsc.release_param.default
 REDUCE = torch.ops.dsc.reduce_grad.default
+REDUCE_MM = torch.ops.dsc.reduce_grad_mm.default
 PARAM_GRAD = torch.ops.dsc.param_grad.default
 
 # each op's plain function, for graphs that run as Python (the eager backend) once every pass is done
-PLAIN_CALLS = {GATHER: run_gather, RELEASE: run_release, REDUCE: run_reduce}
+PLAIN_CALLS = {GATHER: run_gather, RELEASE: run_release, REDUCE: run_reduce, REDUCE_MM: run_reduce_mm}
 
 # Each op again, as ``dsc::run_<name>``: the same schema and function, for inductor's final graphs, which call ops
 # through the dispatcher. ``custom_op`` wraps an op in the layers tracing needs (an autograd kernel, default
@@ -188,4 +213,7 @@ def _untraced_twin(op: torch._ops.OpOverload, run, fake) -> torch._ops.OpOverloa
 
 UNTRACED_CALLS = {GATHER: _untraced_twin(GATHER, run_gather, _gather_fake),
                   RELEASE: _untraced_twin(RELEASE, run_release, _release_fake),
-                  REDUCE: _untraced_twin(REDUCE, run_reduce, _reduce_fake)}
+                  REDUCE: _untraced_twin(REDUCE, run_reduce, _reduce_fake),
+                  REDUCE_MM: _untraced_twin(REDUCE_MM, run_reduce_mm, _reduce_mm_fake)}
+for _op in (REDUCE_MM, UNTRACED_CALLS[REDUCE_MM]):  # its effect is the reduction, not its (token) result
+    torch.fx.node.has_side_effect(_op)

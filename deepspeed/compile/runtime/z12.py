@@ -12,7 +12,8 @@ thing is changed: eager ZeRO-2 waits for each full bucket's collective inside ba
 without ``overlap_comm``), and here it is left in flight until the next full bucket or the end of backward
 (``z12_reduce.py``). At the end of backward the runtime runs the reduction the engine skips while DeepCompile is
 active (``engine.allreduce_gradients``). Same buckets, same collectives, same casts: the arithmetic is eager
-ZeRO-1/2's, bit for bit.
+ZeRO-1/2's, bit for bit. A linear layer's weight gradient is computed by its reduce (``reduce_grad_mm``) straight into
+the place ZeRO-2 would copy it to, its reduce bucket: ZeRO's copy then copies nothing.
 
 Gradients of a parameter from several sources (two compiled graphs across a graph break, or a graph and eager
 code) are summed in ``param.grad`` first and handed over once, when the last source the forward announced has
@@ -40,6 +41,8 @@ class Z12Counters:
     reduce_collectives: int = 0  # ZeRO bucket reductions
     reduce_wait_seconds: float = 0.0  # time inside ZeRO's bucket reductions (copies, and waits for collectives)
     reduces_started_ahead: int = 0  # bucket reductions left in flight while backward went on (z12_reduce.py)
+    matmul_grads: int = 0  # gradients a reduce computed itself, fused with their matmul (reduce_grad_mm)
+    grads_in_bucket: int = 0  # of those, computed straight into ZeRO-2's reduce bucket (no copy into it)
 
 
 class Z12Runtime:
@@ -141,6 +144,43 @@ class Z12Runtime:
         if gradient_wanted(self.params[key]):  # else torch.autograd.grad of other inputs: dropped, as autograd drops it
             self.reduce(key, grad)
 
+    def reduce_product_op(self, mat1: Tensor, mat2: Tensor, traced_key: int, param: Optional[Tensor]) -> None:
+        """The ``reduce_grad_mm`` op: ``param``'s gradient is ``mat1 @ mat2``. Computed into ZeRO-2's bucket where it
+        is handed over at once (ZeRO then copies it onto itself, which copies nothing), else into a tensor of its
+        own, which ``param.grad`` can keep without the copy a graph's buffer needs; not computed where autograd does
+        not want it. The same matmul kernel either way (``out=`` changes where it writes, not its arithmetic)."""
+        key = self.key_of(param)
+        if not gradient_wanted(self.params[key]):
+            return
+        self._check_backward_running()
+        self.counters.matmul_grads += 1
+        slot = self._bucket_slot(key, mat1, mat2)
+        if slot is None:
+            self.reduce(key, torch.mm(mat1, mat2), owned=True)
+        else:
+            self.counters.grads_in_bucket += 1
+            self.reduce(key, torch.mm(mat1, mat2, out=slot))
+
+    def _bucket_slot(self, key: int, mat1: Tensor, mat2: Tensor) -> Optional[Tensor]:
+        """Where ZeRO-2 will copy parameter ``key``'s gradient if it is handed over now, as ZeRO's
+        ``reduce_independent_p_g_buckets_and_remove_grads`` places it: the next elements of its communication
+        dtype's bucket. None where that is not known here: the gradient is not handed over at once (more sources to
+        come, one already in ``param.grad``), ZeRO does not copy it into its bucket, or the bucket is full (ZeRO
+        reduces it first) or of another dtype."""
+        param, optimizer = self.params[key], self.optimizer
+        if (param.grad is not None or self._grad_sources.get(key, 0) > 1 or not self._copied_at_once(param)
+                or not self.flush.overlapped or optimizer._coalesce_grad_reduction
+                or not getattr(param, "ds_grad_is_ready", True)):
+            return None
+        optimizer.reenter_backward_if_needed()  # the hand-off's own first steps (idempotent): the bucket exists
+        optimizer.setup_buckets()
+        bucket = optimizer.ipg_buckets[optimizer.get_param_comm_dtype(param)]
+        buffer = bucket.buffer[bucket.index]
+        if (bucket.elements + param.numel() > optimizer.reduce_bucket_size or buffer.dtype != mat1.dtype
+                or mat2.dtype != mat1.dtype or buffer.device != mat1.device):
+            return None
+        return buffer.narrow(0, bucket.elements, param.numel()).view(param.shape)
+
     def key_of(self, param: Tensor) -> int:
         """The key of a trained parameter, from the tensor a graph op is given: the parameter object itself (the
         backward is handed the graph input, which is the parameter; both backends pass it through as it is)."""
@@ -150,11 +190,15 @@ class Z12Runtime:
                                  f"this engine ({type(param).__name__}, shape {tuple(param.shape)})")
         return key
 
-    def reduce(self, key: int, grad: Tensor) -> None:
-        """A compiled backward produced parameter ``key``'s gradient: accumulate it into ``param.grad`` as
-        ``AccumulateGrad`` does (``+=`` on an existing gradient), and hand it to ZeRO once its last source came."""
+    def _check_backward_running(self) -> None:
         if not (self._backward_pending or self._forward_running):  # the backward that ended its step's forwards has run
             raise registry.backward_after_its_step()
+
+    def reduce(self, key: int, grad: Tensor, owned: bool = False) -> None:
+        """A compiled backward produced parameter ``key``'s gradient: accumulate it into ``param.grad`` as
+        ``AccumulateGrad`` does (``+=`` on an existing gradient), and hand it to ZeRO once its last source came.
+        ``owned``: ``grad`` is a tensor no graph holds, which ``param.grad`` may keep as it is."""
+        self._check_backward_running()
         param = self.params[key]
         if key in self._handed:
             self._second_gradient(key)
@@ -162,7 +206,7 @@ class Z12Runtime:
         self._grad_sources[key] = max(remaining, 0)
         if param.grad is not None:
             param.grad.add_(grad)
-        elif remaining <= 0 and grad.is_contiguous() and self._copied_at_once(param):
+        elif owned or remaining <= 0 and grad.is_contiguous() and self._copied_at_once(param):
             param.grad = grad.detach()  # a tensor object of its own: ZeRO repoints its .data into the bucket
         else:
             # kept past this op: a copy. The graph's tensor may be a buffer autograd accumulates into (a gradient

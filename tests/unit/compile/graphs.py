@@ -53,6 +53,11 @@ class FakeRuntime:
     def reduce_op(self, grad: torch.Tensor, ds_id: int, param: Optional[torch.Tensor]) -> None:
         self.calls.append(("reduce", ds_id, grad.clone()))
 
+    def reduce_product_op(self, mat1: torch.Tensor, mat2: torch.Tensor, ds_id: int,
+                          param: Optional[torch.Tensor]) -> None:
+        """The fused ``reduce_grad_mm``: recorded as a reduce of the product, computed as the runtime computes it."""
+        self.calls.append(("reduce", ds_id, torch.mm(mat1, mat2)))
+
     def ops(self) -> List[Tuple[str, int]]:
         """The calls as ``(op, ds_id)``, in order."""
         return [(op, ds_id) for op, ds_id, _ in self.calls]

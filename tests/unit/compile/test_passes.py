@@ -13,7 +13,7 @@ from deepspeed.compile.graph import rewrite
 from deepspeed.compile.graph.nodes import META_DS_ID, downcast_dtype, is_alias, output_args
 from deepspeed.compile.graph.recompute import RECOMPUTE, choose_kept_by_reuse, reuse_distances, tag_param_aliases_pass
 from deepspeed.compile.graph.saved import saved_for_backward
-from deepspeed.compile.runtime.ops import GATHER, REDUCE, RELEASE
+from deepspeed.compile.runtime.ops import GATHER, REDUCE, REDUCE_MM, RELEASE
 from graphs import FakeRuntime, clone, trace
 
 
@@ -201,6 +201,44 @@ def test_defer_reduces_moves_each_reduce_past_fusible_code_only():
     assert [n.name for n in gm.graph.nodes] == [n.name for n in nodes]
 
 
+def test_fuse_matmul_reduces_only_where_the_gradient_is_the_matmuls_result_as_it_is():
+    """A linear weight's gradient as AOTAutograd leaves it (``t(t(mm(t(x), g)))``: the matmul in the weight's own
+    layout) becomes one fused reduce at the reduce's place, chained like a reduce; not a transposed result (another
+    layout), a matmul read by something else too, or one changed in place. The reduced values and the graph's
+    results are the unfused graph's, bit for bit."""
+    runtime = FakeRuntime({})
+
+    def bw(g, x, h):
+        weight = torch.mm(x.t(), g).t().t()  # fused
+        transposed = torch.mm(x.t(), g).t()  # another layout than the matmul's: kept
+        shared = torch.mm(h.t(), g)  # also read by the input gradient below: kept
+        scaled = torch.mm(h.t(), g).mul_(2.0)  # changed in place: kept
+        return weight, transposed, shared, scaled, shared.sum()
+
+    args = (torch.randn(5, 4), torch.randn(5, 4), torch.randn(5, 4))  # square products: a transpose keeps the shape
+    gm = make_fx(bw)(*args)
+    gm = rewrite.insert_reduces_pass(gm, runtime_id=runtime.id, grad_ds_ids=[11, 12, 13, 14, None])
+    reference = clone(gm)
+    gm = rewrite.chain_collectives_pass(rewrite.fuse_matmul_reduces_pass(gm))
+    fused = [n for n in gm.graph.nodes if n.target is REDUCE_MM]
+    assert [n.args[3] for n in fused] == [11], [n.args for n in fused]
+    assert [n.args[2] for n in gm.graph.nodes if n.target is REDUCE] == [12, 13, 14]
+    assert sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes) == 3  # the fused one's went
+    following = next(n for n in gm.graph.nodes if n.target is REDUCE)
+    assert fused[0] in following.args[4] and fused[0] in following.all_input_nodes  # the token chains the next
+    results = []
+    for graph in (reference, gm):
+        graph.recompile()
+        runtime.calls.clear()
+        out = graph(*args)
+        results.append((out, list(runtime.calls)))
+    (out_ref, calls_ref), (out_new, calls_new) = results
+    assert torch.equal(out_ref[4], out_new[4])
+    assert [c[:2] for c in calls_new] == [c[:2] for c in calls_ref] == [("reduce", i) for i in (11, 12, 13, 14)]
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(calls_ref, calls_new))
+    assert torch.equal(calls_new[0][2], torch.mm(args[1].t(), args[0]))
+
+
 def test_saved_for_backward_splits_parameter_derived_bytes():
     def fw(standin, x):
         w = GATHER(standin, 1, 0, None, [], "")
@@ -281,7 +319,7 @@ def test_untraced_twins_have_the_ops_schemas_and_reach_the_same_runtime():
         return ([(a.name, str(a.type), alias(a)) for a in schema.arguments],
                 [(str(r.type), alias(r)) for r in schema.returns])
 
-    assert set(UNTRACED_CALLS) == {GATHER, RELEASE, REDUCE}
+    assert set(UNTRACED_CALLS) == {GATHER, RELEASE, REDUCE, REDUCE_MM}
     for op, twin in UNTRACED_CALLS.items():
         assert twin._schema.name == op._schema.name.replace("dsc::", "dsc::run_")
         assert signature(twin._schema) == signature(op._schema)
@@ -297,8 +335,13 @@ def test_untraced_twins_have_the_ops_schemas_and_reach_the_same_runtime():
         assert torch.equal(gathered, full.to(torch.bfloat16))
         UNTRACED_CALLS[RELEASE](gathered, runtime.id, 7, [])
         UNTRACED_CALLS[REDUCE](grad, runtime.id, 7, param, [])
-    assert runtime.ops() == [("gather", 7), ("release", 7), ("reduce", 7)]
+        mat1, mat2 = torch.randn(3, 5), torch.randn(5, 4)
+        token = UNTRACED_CALLS[REDUCE_MM](mat1, mat2, runtime.id, 7, param, [])
+    assert runtime.ops() == [("gather", 7), ("release", 7), ("reduce", 7), ("reduce", 7)]
     assert runtime.calls[1][2] == torch.bfloat16 and torch.equal(runtime.calls[2][2], grad)
+    assert torch.equal(runtime.calls[3][2], mat1 @ mat2) and token.numel() == 0
+    # no compiler drops the fused reduce for its unused token result
+    assert all(torch._library.utils.is_impure(op) for op in (REDUCE_MM, UNTRACED_CALLS[REDUCE_MM]))
 
 
 # ----- the eager backend's callable ---------------------------------------------------------------------------

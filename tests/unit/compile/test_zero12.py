@@ -198,6 +198,15 @@ def test_fp32_matches_eager_zero_bitwise(stage_results, case):
             assert r["grad_buffers"][0] == r["grad_buffers"][1] and min(r["grad_buffers"][0]) > 0, r["grad_buffers"]
         if overlapped and case == "small_buckets":
             assert r["counters"]["reduces_started_ahead"] >= 5 * STEPS, r["counters"]
+        # every linear layer's weight gradient is computed by its reduce, fused with its matmul (the tied head's is
+        # not: its weight has two sources); where ZeRO-2 copies gradients into its bucket, straight into the bucket,
+        # all but at most one at each full bucket (the gradient that does not fit: ZeRO reduces the bucket first)
+        c = r["counters"]
+        assert c["matmul_grads"] > 0, c
+        if stage == 2 and case != "no_contiguous":
+            assert 0 < c["matmul_grads"] - c["reduces_started_ahead"] <= c["grads_in_bucket"] <= c["matmul_grads"], c
+        else:
+            assert c["grads_in_bucket"] == 0, c
     if case == "blocks":  # one backward graph reduces the block gradients, traced on the first block, serving both
         for out in results:
             block_graphs = [names for names in out[case]["traced"] if any(n.startswith("blocks.") for n in names)]
@@ -295,6 +304,8 @@ def test_inductor_matches_eager_zero(stage):
     for r in run_distributed(_inductor, stage, timeout_s=500):
         assert_ran_compiled(r)
         assert r["loss"] <= 1e-5 and r["param"] <= 1e-5, r
+        # inductor's graphs call the fused reduces too (its chain of collectives waits on their tokens)
+        assert r["counters"]["matmul_grads"] > 0 and (r["counters"]["grads_in_bucket"] > 0) == (stage == 2), r
 
 
 # ----- a transformers model at DeepSpeed's default settings ------------------------------------------------------
