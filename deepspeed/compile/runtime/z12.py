@@ -82,6 +82,7 @@ class Z12Runtime:
         # ZeRO's bucket reductions, counted, and at ZeRO-2 left in flight while backward goes on
         self.flush = BucketFlush(self.optimizer, lambda: self.counters, timeout_s)
         self.optimizer.reduce_ipg_grads = self.flush.reduce_ipg_grads
+        self.optimizer.setup_buckets = self.flush.setup_buckets
         self.id = registry.register(self)
 
     # ----- what the compiler asks -------------------------------------------------------------------------
@@ -291,6 +292,7 @@ class Z12Runtime:
             hook.remove()
         self._own_hooks = []
         self.optimizer.__dict__.pop("reduce_ipg_grads", None)
+        self.optimizer.__dict__.pop("setup_buckets", None)
         if self._zero_hooks and not self.optimizer._grad_acc_hooks:
             self.optimizer.create_gradient_handling_hooks()
         if self.input_cast_hook is not None:

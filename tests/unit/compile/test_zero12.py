@@ -330,17 +330,30 @@ def _hf_defaults(stage):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
         if section is not None:
             engine.compile(backend="eager")
-        losses = []
+        losses, buffers = [], []
         for step in range(4):
             idx, _ = models_eager.batch(step, rank, 16)
             loss = engine(input_ids=idx, labels=idx).loss
+            if step == 1:  # the largest gradient bucket buffer ZeRO holds when it reduces at the end of backward
+                reduce = engine.optimizer.reduce_ipg_grads
+
+                def spy(*args, reduce=reduce, **kwargs):
+                    buckets = engine.optimizer.ipg_buckets.values()
+                    buffers.append(max(b.numel() for bucket in buckets for b in bucket.buffer))
+                    return reduce(*args, **kwargs)
+
+                engine.optimizer.reduce_ipg_grads = spy
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        out[name] = {"losses": losses, "params": full_params(engine), "report": engine_report(engine)}
+        engine.optimizer.__dict__.pop("reduce_ipg_grads", None)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        out[name] = {"losses": losses, "params": full_params(engine), "report": engine_report(engine),
+                     "bucket": (max(buffers), trained)}
         engine.destroy()
     return {"losses": (out["deepcompile"]["losses"], out["eager"]["losses"]), "report": out["deepcompile"]["report"],
-            "params": unequal(out["deepcompile"]["params"], out["eager"]["params"])}
+            "params": unequal(out["deepcompile"]["params"], out["eager"]["params"]),
+            "buckets": (out["deepcompile"]["bucket"], out["eager"]["bucket"])}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -349,3 +362,7 @@ def test_transformers_gpt2_at_default_settings_matches_eager_zero_bitwise(stage)
         assert r["losses"][0] == r["losses"][1] and r["params"] == [], r
         assert r["report"]["zero_stage"] == stage and r["report"]["graphs_compiled"] >= 1, r["report"]
         assert r["report"]["reduces"] > 0, r["report"]
+        # eager ZeRO allocates reduce_bucket_size (5e8 elements, 2 GB) every backward; here the bucket is sized to the
+        # trained parameters, all it can hold (z12_reduce.BucketFlush.setup_buckets)
+        (ours, trained), (eager, _) = r["buckets"]
+        assert ours == trained < eager == 5e8, r["buckets"]
