@@ -156,6 +156,14 @@ def test_chain_collectives_makes_the_graph_order_of_gathers_and_reduces_data_dep
     assert [len(n.args[4]) for n in collectives] == [0, 1, 1, 1]
 
 
+def _run_recording(gm: GraphModule, runtime: FakeRuntime, args: tuple):
+    """The graph's results on ``args``, and the runtime calls its ops made."""
+    gm.recompile()
+    runtime.calls.clear()
+    out = gm(*args)
+    return out, list(runtime.calls)
+
+
 def test_defer_reduces_moves_each_reduce_past_fusible_code_only():
     """A norm-like backward: the weight's gradient (a sum over the rows) comes out before the pointwise ops of the
     input's gradient. Deferred, its reduce sits just before the matmul after them. A reduce stops before a gather
@@ -186,13 +194,7 @@ def test_defer_reduces_moves_each_reduce_past_fusible_code_only():
     assert following[12].target is GATHER
     assert reduces[2].args[0] in following[13].all_input_nodes  # the sum that reads its gradient
     assert nodes.index(reduces[2]) > nodes.index(reduces[2].args[0]) + 1  # moved past ``z``
-    results = []
-    for graph in (reference, gm):
-        graph.recompile()
-        runtime.calls.clear()
-        out = graph(*args)
-        results.append((out, list(runtime.calls)))
-    (out_ref, calls_ref), (out_new, calls_new) = results
+    (out_ref, calls_ref), (out_new, calls_new) = [_run_recording(graph, runtime, args) for graph in (reference, gm)]
     assert torch.equal(out_ref[3], out_new[3]) and out_new[:3] == (None, None, None)
     assert [c[:2] for c in calls_new] == [c[:2] for c in calls_ref] == [("reduce", 11), ("reduce", 12),
                                                                         ("gather", 5), ("reduce", 13)]
@@ -226,13 +228,7 @@ def test_fuse_matmul_reduces_only_where_the_gradient_is_the_matmuls_result_as_it
     assert sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes) == 3  # the fused one's went
     following = next(n for n in gm.graph.nodes if n.target is REDUCE)
     assert fused[0] in following.args[4] and fused[0] in following.all_input_nodes  # the token chains the next
-    results = []
-    for graph in (reference, gm):
-        graph.recompile()
-        runtime.calls.clear()
-        out = graph(*args)
-        results.append((out, list(runtime.calls)))
-    (out_ref, calls_ref), (out_new, calls_new) = results
+    (out_ref, calls_ref), (out_new, calls_new) = [_run_recording(graph, runtime, args) for graph in (reference, gm)]
     assert torch.equal(out_ref[4], out_new[4])
     assert [c[:2] for c in calls_new] == [c[:2] for c in calls_ref] == [("reduce", i) for i in (11, 12, 13, 14)]
     assert all(torch.equal(a[2], b[2]) for a, b in zip(calls_ref, calls_new))
