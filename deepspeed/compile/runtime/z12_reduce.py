@@ -18,6 +18,9 @@ collective on the same elements, the same casts. (The other ranks' parts of a gr
 partitions, which nothing reads, hold the reduced values here and the divided ones in eager ZeRO-2.) Eager ZeRO-2
 copies the bucket flat for its collective and copies its slices back; this order copies neither.
 
+ZeRO allocates its bucket buffers at every backward's first gradient, ``reduce_bucket_size`` elements each (2 GB of
+fp32 at DeepSpeed's default); :meth:`BucketFlush.setup_buckets` sizes them to the most a bucket can hold instead.
+
 ZeRO's other reduction paths run as ZeRO runs them (the counters still count them): gradients bucketed by reference
 (``contiguous_gradients`` off), a gradient larger than the bucket, MoE and Muon parameters, CPU offload, sequence
 parallelism, ZeRO-1, a separate gradient accumulation dtype, and ``reduce_scatter`` or
@@ -59,16 +62,17 @@ class BucketFlush:
         self._own_parts: Optional[Dict[Tuple[int, int], Tuple[int, int]]] = None
         self._zero_setup = type(optimizer).setup_buckets.__get__(optimizer)
         # the most elements a bucket ever holds: ZeRO reduces it before a gradient would take it past
-        # reduce_bucket_size, and it holds each trained parameter's gradient at most once
-        trained = sum(p.numel() for group in optimizer.bit16_groups for p in group if p.requires_grad)
-        self.bucket_capacity = int(min(optimizer.reduce_bucket_size, trained))
+        # reduce_bucket_size, and it holds the gradient of each parameter of its groups at most once
+        held = sum(p.numel() for group in optimizer.bit16_groups for p in group)
+        self.bucket_capacity = int(min(optimizer.reduce_bucket_size, held))
 
     def setup_buckets(self) -> None:
         """ZeRO's ``setup_buckets`` (at a backward's first gradient) with each bucket buffer sized to what it can hold,
         not to ``reduce_bucket_size``: ZeRO allocates that many elements afresh every backward (it frees them at the
         end of each), and DeepSpeed's default, 5e8 elements (2 GB of fp32), is above what glibc serves from its heap,
         so every backward's gradients land on fresh pages and take a page fault each 4 KiB (6716 a step on the
-        benchmark's GPT-2 at DeepSpeed's defaults). A buffer of the trained parameters' size is reused from the heap."""
+        benchmark's GPT-2 at DeepSpeed's defaults). A buffer of the optimizer's parameters' size is reused from the
+        heap."""
         opt = self.optimizer
         fresh = not opt.ready_for_gradients
         self._zero_setup()

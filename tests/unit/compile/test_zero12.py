@@ -347,7 +347,7 @@ def _hf_defaults(stage):
             engine.step()
             losses.append(loss.item())
         engine.optimizer.__dict__.pop("reduce_ipg_grads", None)
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        trained = sum(p.numel() for p in model.parameters())  # all trained here
         out[name] = {"losses": losses, "params": full_params(engine), "report": engine_report(engine),
                      "bucket": (max(buffers), trained)}
         engine.destroy()
