@@ -247,22 +247,26 @@ def test_inductor_compiles_deepspeed_activation_checkpointing():
         print(check_fp32_close(r))
 
 
-def _one_process(steps, aot_cache=True, prefetch_bucket=0):
+def _one_process(steps, aot_cache=True, prefetch_bucket=0, stage=3):
     """One training process: the inductor engine, with what its stats say about compiling and torch's cache."""
     import time
     from torch._dynamo.utils import counters
     from compare import full_params
     from deepspeed.compile.engine_state import state_of
+    from deepspeed.compile.report import engine_report
     from models import ds_config
     from training import make_engine, train
-    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "aot_cache": aot_cache}, optimizer="sgd",
-                                          zero_overrides={"stage3_prefetch_bucket_size": prefetch_bucket}))
+    overrides = {"stage3_prefetch_bucket_size": prefetch_bucket} if stage == 3 else {}
+    engine = make_engine("gpt", ds_config(stage, {"deepcompile": True, "aot_cache": aot_cache}, optimizer="sgd",
+                                          zero_overrides=overrides))
     start = time.perf_counter()
     losses = train(engine, "gpt", 1, compile_kwargs={"backend": "inductor"})
     first_step_s = time.perf_counter() - start
     losses += train(engine, "gpt", steps - 1, first_step=1)
     stats = state_of(engine).stats
+    report = engine_report(engine)
     return {"losses": losses, "params": full_params(engine), "first_step_s": first_step_s,
+            "fused": (report.get("matmul_grads"), report.get("grads_in_bucket")),
             "aot": dict(counters["aot_autograd"]), "compiled": stats.graphs_compiled, "loaded": stats.graphs_loaded,
             "orders": stats.collective_orders, "peak": stats.planned_peak_gathered_bytes, "saved": vars(stats.saved),
             "compile_s": dict(stats.compile_seconds)}
@@ -297,6 +301,21 @@ def test_warm_process_loads_the_compiled_graphs_and_trains_identically(tmp_path,
     for c, runs in zip(cold, run_distributed(_one_process, steps, True, 3000, timeout_s=400)):
         assert runs["loaded"] == 0 and runs["aot"].get("autograd_cache_hit", 0) == 0, runs["aot"]
         assert runs["compiled"] == c["compiled"] and runs["losses"] == c["losses"]
+
+
+def test_warm_process_at_zero2_loads_the_graphs_with_their_fused_reduces(tmp_path, monkeypatch):
+    """ZeRO-2 on inductor: a warm process loads its graphs from torch's AOTAutograd cache, and the loaded backward
+    still computes each linear weight's gradient in its reduce, in ZeRO's bucket (``reduce_grad_mm``, registered as
+    having a side effect: no cached graph may have dropped it), training bitwise as the cold process did."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    cold = run_distributed(_one_process, 3, True, 0, 2, timeout_s=400)
+    warm = run_distributed(_one_process, 3, True, 0, 2, timeout_s=400)
+    for c, w in zip(cold, warm):
+        assert c["compiled"] > 0 and c["loaded"] == 0 and w["loaded"] == w["compiled"] == c["compiled"], (c, w)
+        assert w["aot"].get("autograd_cache_hit", 0) == c["compiled"], w["aot"]
+        assert c["fused"][0] > 0 and c["fused"][1] > 0 and w["fused"] == c["fused"], (c["fused"], w["fused"])
+        assert w["losses"] == c["losses"], (c["losses"], w["losses"])
+        assert all(torch.equal(w["params"][k], c["params"][k]) for k in c["params"])
 
 
 def test_compile_record_is_keyed_on_the_calling_context():
