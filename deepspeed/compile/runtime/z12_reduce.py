@@ -73,12 +73,8 @@ class BucketFlush:
         so every backward's gradients land on fresh pages and take a page fault each 4 KiB (6716 a step on the
         benchmark's GPT-2 at DeepSpeed's defaults). A buffer of the optimizer's parameters' size is reused from the
         heap."""
-        opt = self.optimizer
-        fresh = not opt.ready_for_gradients
         self._zero_setup()
-        if not fresh or not opt.contiguous_gradients:
-            return
-        for bucket in opt.ipg_buckets.values():
+        for bucket in self.optimizer.ipg_buckets.values():  # (a buffer already sized, or holding gradients, stays)
             bucket.buffer[:] = [b.new_empty(self.bucket_capacity) if b.numel() > self.bucket_capacity else b
                                 for b in bucket.buffer]
 
