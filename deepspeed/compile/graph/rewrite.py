@@ -178,19 +178,24 @@ def defer_reduces_pass(gm: GraphModule) -> GraphModule:
 
 def fuse_matmul_reduces_pass(gm: GraphModule) -> GraphModule:
     """Each reduce whose gradient is a matmul's result as it is, read by nothing else (a linear layer's weight
-    gradient: :func:`nodes.matmul_behind`), becomes one ``reduce_grad_mm`` at the reduce's place, and the matmul and
-    its views go: the runtime computes the product where the gradient goes (ZeRO-2's reduce bucket) instead of the
+    gradient: :func:`nodes.matmul_behind`), becomes one ``reduce_grad_mm``, and the matmul and its views go: the runtime computes the product where the gradient goes (ZeRO-2's reduce bucket) instead of the
     graph computing it into a buffer of its own that is then copied there, and skips it where autograd does not want
-    the gradient (``ops.reduce_grad_mm``). The matmul runs later by at most the code between it and the reduce, none
-    of which reads it; the product is the same kernel's on the same operands. For the final graphs of ZeRO-1/2,
-    after every pass that reads the reduces."""
+    the gradient (``ops.reduce_grad_mm``). It takes the matmul's place where no other collective op lies between the
+    two (so its operands are freed as early as before: the matmul is a kernel of its own in every backend), else the
+    reduce's, which keeps the collectives' order; the product is the same kernel's on the same operands. For the
+    final graphs of ZeRO-1/2, after every pass that reads the reduces, before the collectives are chained."""
     graph = gm.graph
     for node in [n for n in graph.nodes if is_reduce(n)]:
         grad = node.args[0]
         mm = matmul_behind(grad) if isinstance(grad, Node) else None
         if mm is None:
             continue
-        with graph.inserting_before(node):
+        stay = bool(node.args[-1])  # already chained to the collective before it
+        cursor = mm.next
+        while not stay and cursor is not node:
+            stay = is_gather(cursor) or is_release(cursor) or is_reduce(cursor) or is_reduce_mm(cursor)
+            cursor = cursor.next
+        with graph.inserting_before(node if stay else mm):
             fused = graph.call_function(REDUCE_MM, (*mm.args, *node.args[1:]))
         fused.meta["val"] = mm.meta["val"].new_empty(0)
         graph.erase_node(node)

@@ -205,9 +205,10 @@ def test_defer_reduces_moves_each_reduce_past_fusible_code_only():
 
 def test_fuse_matmul_reduces_only_where_the_gradient_is_the_matmuls_result_as_it_is():
     """A linear weight's gradient as AOTAutograd leaves it (``t(t(mm(t(x), g)))``: the matmul in the weight's own
-    layout) becomes one fused reduce at the reduce's place, chained like a reduce; not a transposed result (another
-    layout), a matmul read by something else too, or one changed in place. The reduced values and the graph's
-    results are the unfused graph's, bit for bit."""
+    layout) becomes one fused reduce, chained like a reduce; not a transposed result (another layout), a matmul read
+    by something else too, or one changed in place. The fused reduce takes the matmul's place (its operands are
+    freed as early as before), or the reduce's where another collective lies between (their order is kept). The
+    reduced values and the graph's results are the unfused graph's, bit for bit."""
     runtime = FakeRuntime({})
 
     def bw(g, x, h):
@@ -220,10 +221,21 @@ def test_fuse_matmul_reduces_only_where_the_gradient_is_the_matmuls_result_as_it
     args = (torch.randn(5, 4), torch.randn(5, 4), torch.randn(5, 4))  # square products: a transpose keeps the shape
     gm = make_fx(bw)(*args)
     gm = rewrite.insert_reduces_pass(gm, runtime_id=runtime.id, grad_ds_ids=[11, 12, 13, 14, None])
+    reduces = {n.args[2]: n for n in gm.graph.nodes if n.target is REDUCE}
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    mms[1].append(reduces[11])  # code between the weight gradient's matmul and its reduce (another matmul)
     reference = clone(gm)
+    moved = clone(gm)  # and, in a copy, the reduce after another collective
+    moved_reduces = {n.args[2]: n for n in moved.graph.nodes if n.target is REDUCE}
+    moved_reduces[12].append(moved_reduces[11])
     gm = rewrite.chain_collectives_pass(rewrite.fuse_matmul_reduces_pass(gm))
     fused = [n for n in gm.graph.nodes if n.target is REDUCE_MM]
     assert [n.args[3] for n in fused] == [11], [n.args for n in fused]
+    first_mm = next(n for n in reference.graph.nodes if n.target is torch.ops.aten.mm.default)
+    assert fused[0].prev.name == first_mm.prev.name  # the matmul's place
+    moved = rewrite.fuse_matmul_reduces_pass(moved)
+    order = [n.args[2 if n.target is REDUCE else 3] for n in moved.graph.nodes if n.target in (REDUCE, REDUCE_MM)]
+    assert order == [12, 11, 13, 14], order
     assert [n.args[2] for n in gm.graph.nodes if n.target is REDUCE] == [12, 13, 14]
     assert sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes) == 3  # the fused one's went
     following = next(n for n in gm.graph.nodes if n.target is REDUCE)
