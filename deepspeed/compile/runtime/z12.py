@@ -146,7 +146,7 @@ class Z12Runtime:
             self.reduce(key, grad)
 
     def reduce_product_op(self, mat1: Tensor, mat2: Tensor, traced_key: int, param: Optional[Tensor]) -> None:
-        """The ``reduce_grad_mm`` op: ``param``'s gradient is ``mat1 @ mat2``. Computed into ZeRO-2's bucket where it
+        """The ``reduce_grad_mm`` op: ``param``'s gradient is ``mat1 @ mat2``. Computed into ZeRO's bucket where it
         is handed over at once (ZeRO then copies it onto itself, which copies nothing), else into a tensor of its
         own, which ``param.grad`` can keep without the copy a graph's buffer needs; not computed where autograd does
         not want it. The same matmul kernel either way (``out=`` changes where it writes, not its arithmetic)."""
@@ -163,14 +163,15 @@ class Z12Runtime:
             self.reduce(key, torch.mm(mat1, mat2, out=slot))
 
     def _bucket_slot(self, key: int, mat1: Tensor, mat2: Tensor) -> Optional[Tensor]:
-        """Where ZeRO-2 will copy parameter ``key``'s gradient if it is handed over now, as ZeRO's
-        ``reduce_independent_p_g_buckets_and_remove_grads`` places it: the next elements of its communication
-        dtype's bucket. None where that is not known here: the gradient is not handed over at once (more sources to
-        come, one already in ``param.grad``), ZeRO does not copy it into its bucket, or the bucket is full (ZeRO
-        reduces it first) or of another dtype."""
+        """Where ZeRO will copy parameter ``key``'s gradient if it is handed over now (ZeRO-2, and ZeRO-1 at the
+        accumulation boundary), as ZeRO's ``reduce_independent_p_g_buckets_and_remove_grads`` places it: the next
+        elements of its communication dtype's bucket. None where that is not known here: the gradient is not handed
+        over at once (more sources to come, one already in ``param.grad``), ZeRO does not copy it into its bucket
+        (or copies another tensor: a separate accumulation dtype), or the bucket is full (ZeRO reduces it first) or
+        of another dtype."""
         param, optimizer = self.params[key], self.optimizer
         if (param.grad is not None or self._grad_sources.get(key, 0) > 1 or not self._copied_at_once(param)
-                or not self.flush.overlapped or optimizer._coalesce_grad_reduction
+                or optimizer.zenflow or optimizer.use_grad_accum_attribute or optimizer._coalesce_grad_reduction
                 or not getattr(param, "ds_grad_is_ready", True)):
             return None
         optimizer.reenter_backward_if_needed()  # the hand-off's own first steps (idempotent): the bucket exists
@@ -218,11 +219,14 @@ class Z12Runtime:
             self._hand_off(key)
 
     def _copied_at_once(self, param: Parameter) -> bool:
-        """ZeRO-2 copies a gradient into its contiguous reduce bucket inside the hand-off and keeps no reference to
-        the tensor it was given (a gradient wider than the bucket it keeps, to reduce later)."""
+        """ZeRO copies a gradient into its contiguous reduce bucket inside the hand-off and keeps no reference to the
+        tensor it was given: ZeRO-2 always, ZeRO-1 with ``overlap_comm`` at the accumulation boundary (ZeRO-1 keeps
+        it otherwise, to reduce at the end of the boundary's backward), as ``process_gradients`` and
+        ``reduce_ready_partitions_and_remove_grads`` decide. Not a gradient wider than the bucket (kept, to reduce
+        later)."""
         optimizer = self.optimizer
-        return (self.stage == 2 and self._zero_hooks and optimizer.contiguous_gradients
-                and param.numel() <= optimizer.reduce_bucket_size)
+        return (self._zero_hooks and optimizer.contiguous_gradients and param.numel() <= optimizer.reduce_bucket_size
+                and (self.stage == 2 or optimizer.overlap_comm and optimizer.is_gradient_accumulation_boundary()))
 
     def _on_accumulated(self, param: Parameter) -> None:
         """Autograd accumulated a gradient from eager code (a frame dynamo ran uncompiled) into ``param.grad``. (It
