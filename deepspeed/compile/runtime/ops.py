@@ -110,6 +110,11 @@ def run_reduce(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor
     registry.lookup(runtime_id).reduce_op(grad, ds_id, param)
 
 
+@reduce_grad.register_fake
+def _reduce_fake(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor], after: List[Tensor]) -> None:
+    return None
+
+
 def gradient_wanted(param: Tensor) -> bool:
     """Whether the backward running now accumulates ``param``'s gradient: ``loss.backward()`` does,
     ``torch.autograd.grad(loss, inputs)`` and ``backward(inputs=...)`` without it do not. A compiled backward computes
@@ -128,11 +133,6 @@ def gradient_wanted(param: Tensor) -> bool:
             "Its compiled backward hands each parameter's gradient to ZeRO and returns none, so the answer would be "
             "None. Take parameter gradients with engine.backward() (read them with "
             "deepspeed.utils.safe_get_full_grad), or run this model without DeepCompile") from err
-
-
-@reduce_grad.register_fake
-def _reduce_fake(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor], after: List[Tensor]) -> None:
-    return None
 
 
 @torch.library.custom_op("dsc::reduce_grad_mm", mutates_args=())

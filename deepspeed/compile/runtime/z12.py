@@ -174,8 +174,7 @@ class Z12Runtime:
                 or optimizer.zenflow or optimizer.use_grad_accum_attribute or optimizer._coalesce_grad_reduction
                 or not getattr(param, "ds_grad_is_ready", True)):
             return None
-        optimizer.reenter_backward_if_needed()  # the hand-off's own first steps (idempotent): the bucket exists
-        optimizer.setup_buckets()
+        optimizer.setup_buckets()  # what the hand-off does first (once a backward): the bucket exists
         bucket = optimizer.ipg_buckets[optimizer.get_param_comm_dtype(param)]
         buffer = bucket.buffer[bucket.index]
         if (bucket.elements + param.numel() > optimizer.reduce_bucket_size or buffer.dtype != mat1.dtype

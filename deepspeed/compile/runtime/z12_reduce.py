@@ -73,8 +73,11 @@ class BucketFlush:
         so every backward's gradients land on fresh pages and take a page fault each 4 KiB (6716 a step on the
         benchmark's GPT-2 at DeepSpeed's defaults). A buffer of the optimizer's parameters' size is reused from the
         heap."""
+        opt = self.optimizer
+        if opt.ready_for_gradients:  # set up at this backward's first gradient: ZeRO's own would do nothing either
+            return
         self._zero_setup()
-        for bucket in self.optimizer.ipg_buckets.values():  # (a buffer already sized, or holding gradients, stays)
+        for bucket in opt.ipg_buckets.values():
             bucket.buffer[:] = [b.new_empty(self.bucket_capacity) if b.numel() > self.bucket_capacity else b
                                 for b in bucket.buffer]
 
