@@ -265,7 +265,8 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
     from .runtime.z3 import Z3Runtime
     runtime = Z3Runtime(engine, timeout_s=compile_config.collective_timeout_s, free_on_release=backend == "eager",
                         native_op=compile_config.native_op,
-                        prefetch_across_graphs=compile_config.regions == "blocks")
+                        prefetch_across_graphs=compile_config.regions == "blocks",
+                        host_comm=compile_config.host_comm)
     eager_hooks.switch_off(engine)
     return _activate(engine, runtime, 3, backend, compile_config, inductor_config, compile_kwargs)
 

@@ -45,6 +45,8 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
     else:
         report.update({
             "gather_path": runtime.gather_path,
+            # "shm": the collectives through shared memory between the ranks of this host (compile.host_comm)
+            "host_comm": runtime.host_comm,
             "gather_seconds": c.gather_seconds,
             "runs_started_ahead": c.runs_started_ahead,
             "unclaimed_gathers": c.unclaimed_gathers,  # prefetched and never used (wasted collective bytes)

@@ -21,14 +21,18 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn import Parameter
 
-from ..native.gather import cast_all_gather_python, load_native
+from ..native.gather import cast_all_gather_python, load_native, wait_for
 from . import registry, standins
 from .comm import CommLog, Counters
+from .host_comm import open_host_comm
 from .eager_access import (EagerAccess, install_forwards_gathering_returned,
                            uninstall_forwards_gathering_returned)
 from .ops import gradient_wanted
 from .z3_reduce import GradientReducer
-from .z3_runs import GatherRuns, shard_state
+from .z3_runs import GATHER_CHUNK_NUMEL, GatherRuns, shard_state
+
+# a chunk of a gradient bucket reduced through shared memory (compile.host_comm): one slot of the reduce channel
+HOST_REDUCE_SLOT_BYTES = 8 << 20
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,7 @@ class Z3Runtime:
     stage = 3
 
     def __init__(self, engine, *, timeout_s: float = 0.0, free_on_release: bool = True, native_op: str = "auto",
-                 prefetch_across_graphs: bool = False):
+                 prefetch_across_graphs: bool = False, host_comm: str = "auto"):
         self.engine = engine
         self.optimizer = engine.optimizer
         self.group = self.optimizer.dp_process_group
@@ -88,8 +92,16 @@ class Z3Runtime:
         self._forward_running = False
         names = {p.ds_id: name for name, p in engine.module.named_parameters() if hasattr(p, "ds_id")}
         self._names = names
+        # the collectives through shared memory where every rank is on this host (compile.host_comm): a gather slot
+        # holds this rank's part of a run's chunk (GatherRuns._start_chunks) or of the widest parameter gathered alone
+        widest = max([p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.sharded.values()], default=0)
+        self.host = open_host_comm(host_comm, self.group, self.device,
+                                   gather_slot_bytes=max(widest, GATHER_CHUNK_NUMEL // self.world_size * 4),
+                                   reduce_slot_bytes=HOST_REDUCE_SLOT_BYTES)
+        self.host_comm = "gloo" if self.host is None else "shm"
         self.reducer = GradientReducer(self.optimizer, self.params, self.group, self.world_size,
-                                       int(engine.zero_reduce_bucket_size()), self.comm)
+                                       int(engine.zero_reduce_bucket_size()), self.comm,
+                                       host=None if self.host is None else self.host.reduce)
         self.eager = EagerAccess(self.params, names, self.reducer.reduce, self.comm.add_live_bytes,
                                  self.reducer.note_source)
         # Across graphs (compile.regions='blocks': one graph per block, so each block's first run would wait): the
@@ -98,6 +110,7 @@ class Z3Runtime:
                                shards_offloaded=shards_offloaded,
                                native_start=native is not None and self.device.type == "cuda",
                                prefetch_across_graphs=prefetch_across_graphs, comm=self.comm,
+                               host=None if self.host is None else self.host.gather,
                                is_gathered=self._has_copy,
                                add_gathered=lambda param, dtype, flat, shard: self._add_gathered(param, dtype, flat,
                                                                                                  0, shard),
@@ -190,10 +203,21 @@ class Z3Runtime:
         self.comm.issued("all-gather", (param,), shard.numel())
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
         with self.comm.timeout_named(lambda: f"the all-gather of parameter {self.eager.name(param)}"):
-            flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.comm.timeout)
+            if self.host is not None and self.host.gather.fits(shard.numel() * dtype.itemsize):
+                flat = self._host_gather(shard, dtype)
+            else:
+                flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.comm.timeout)
         self.comm.done("all-gather", start)
         self.counters.allgather_collectives += 1
         return self._add_gathered(param, dtype, flat, 1, gathered_from)
+
+    def _host_gather(self, shard: Tensor, dtype: torch.dtype) -> Tensor:
+        """One parameter gathered through shared memory: cast into this rank's slot, every rank's slot copied out."""
+        work = self.host.gather.start(shard.numel() * dtype.itemsize,
+                                      lambda slot: slot.view(dtype).copy_(shard.reshape(-1)),
+                                      lambda rows: torch.cat([row.view(dtype) for row in rows]))
+        wait_for(work, self.comm.timeout)
+        return work.result
 
     def _copy_held(self, param: Parameter, key: Tuple[int, torch.dtype]) -> Tensor:
         """A copy of a parameter eager code holds gathered, in the gather's dtype, freed by its release as a gathered

@@ -11,10 +11,15 @@ torch's gloo backend runs for ``reduce_scatter_tensor`` itself (``ProcessGroupGl
 a clone of the input, an all-reduce of the clone, a copy of this rank's chunk out), without the clone and the copy:
 the same collective on the same values, so the same sums for any number of ranks, in 0.5-0.76x the time here
 (``benchmarks/gloo_collectives.py``) and with no receive buffer.
+
+Where every rank is on this host (``compile.host_comm``), a bucket goes through shared memory instead, in chunks of
+columns: each rank copies its bucket's chunk into its slot, and each sums its own row of every rank's slot into its
+bucket, in rank order. With two ranks that is gloo's sum bit for bit (a + b is b + a); with more, the order of the
+additions may differ from gloo's ring.
 """
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +27,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from .comm import CommLog
+from .host_comm import Channel
 
 
 @dataclass
@@ -33,7 +39,7 @@ class _Bucket:
 
 @dataclass
 class _PendingReduce:
-    work: object
+    work: List[object]  # its collectives (one, or a chunk each through shared memory)
     buffer: Tensor  # the bucket buffer it sends from: not reused until the collective is done
     recv: Tensor
     items: List[Tuple[Parameter, int]]
@@ -43,7 +49,7 @@ class _PendingReduce:
 class GradientReducer:
 
     def __init__(self, optimizer, params: Dict[int, Parameter], group, world_size: int, bucket_numel: int,
-                 comm: CommLog):
+                 comm: CommLog, host: Optional[Channel] = None):
         self.optimizer = optimizer
         self.params = params
         self.group = group
@@ -53,6 +59,7 @@ class GradientReducer:
         # the columns one reduce of every trained parameter needs: no bucket is ever wider
         self._grad_columns = sum(p.partition_numel() for p in params.values() if p.requires_grad)
         self._all_reduce = dist.get_backend(group) == "gloo"  # see the module docstring
+        self._host = host  # shared-memory slots, where every rank is on this host (module docstring)
         self._rank = dist.get_rank(group)
         self.buffers: Dict[torch.dtype, List[Tensor]] = {}  # the bucket buffers, reused from step to step
         self._buckets: Dict[torch.dtype, _Bucket] = {}
@@ -167,12 +174,15 @@ class GradientReducer:
         self._finish_reduces()
         send = self._compact(bucket)
         send.div_(self.world_size)  # gloo has no AVG: pre-divide, then SUM (as eager ZeRO-3 does)
-        if self._all_reduce:  # this rank's row of the summed bucket is its partition (module docstring)
-            work = dist.all_reduce(send, group=self.group, async_op=True)
+        if self._host is not None:
+            recv = send.view(self.world_size, bucket.used)[self._rank]
+            work = self._host_reduce(send.view(self.world_size, bucket.used), recv)
+        elif self._all_reduce:  # this rank's row of the summed bucket is its partition (module docstring)
+            work = [dist.all_reduce(send, group=self.group, async_op=True)]
             recv = send.view(self.world_size, bucket.used)[self._rank]
         else:
             recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
-            work = dist.reduce_scatter_single(recv, send.view(-1), group=self.group, async_op=True)
+            work = [dist.reduce_scatter_single(recv, send.view(-1), group=self.group, async_op=True)]
         c = self.comm.counters
         c.reduce_scatter_bytes += send.numel() * send.element_size()
         c.reduce_bytes += send.numel() * send.element_size()
@@ -180,11 +190,33 @@ class GradientReducer:
         self.comm.issued("reduce-scatter", [param for param, _ in bucket.items], send.numel())
         self._pending.append(_PendingReduce(work, bucket.buffer, recv, bucket.items, time.perf_counter()))
 
+    def _host_reduce(self, rows: Tensor, out: Tensor) -> List[object]:
+        """``rows`` (world size, columns) reduced through shared memory into ``out`` (this rank's row of it), a chunk of
+        columns a slot: started, each chunk summed into ``out`` when it is waited for."""
+        columns = rows.shape[1]
+        step = max(1, self._host.slot_bytes // (self.world_size * rows.element_size()))
+        works = []
+        for start in range(0, columns, step):
+            chunk = rows[:, start:start + step]
+            width = chunk.shape[1]
+            works.append(self._host.start(chunk.numel() * chunk.element_size(),
+                                          lambda slot, chunk=chunk: slot.view(chunk.dtype).view(chunk.shape).copy_(chunk),
+                                          lambda slots, part=out[start:start + width]: self._sum_rows(slots, part)))
+        return works
+
+    def _sum_rows(self, slots: List[Tensor], out: Tensor) -> None:
+        """``out`` = this rank's row of every rank's slot, summed in rank order."""
+        mine = [slot.view(out.dtype).view(self.world_size, -1)[self._rank] for slot in slots]
+        torch.add(mine[0], mine[1], out=out)
+        for row in mine[2:]:
+            out.add_(row)
+
     def _finish_reduces(self) -> None:
         while self._pending:
             pending = self._pending.pop(0)
             start = time.perf_counter()
-            self.comm.wait(pending.work, lambda: f"a gradient reduce-scatter ({len(pending.items)} parameters)")
+            for work in pending.work:
+                self.comm.wait(work, lambda: f"a gradient reduce-scatter ({len(pending.items)} parameters)")
             self.comm.done("reduce-scatter", start, pending.issued)
             self._hand_to_optimizer(pending.items, pending.recv)
 

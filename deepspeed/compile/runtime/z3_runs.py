@@ -8,8 +8,10 @@ its use. A graph may serve another module of the same code (``regions: "blocks"`
 module's parameters and are moved to the module it runs on. With ``prefetch_across_graphs`` each step's runs are
 recorded, and the last run of a graph starts the run that came next in the last step.
 
-A run's collective receives into one buffer of rows (rank x the run's shards), and each parameter is copied out of its
-columns when the run is waited for. Not gloo's coalesced form (``ProcessGroup.all_gather_single_coalesced``), which
+Where every rank is on this host (``compile.host_comm``, ``host_comm.py``), a run's shards go into a shared-memory slot
+and each parameter is copied straight out of every rank's slot into its own buffer. Otherwise a run's collective
+receives into one buffer of rows (rank x the run's shards), and each parameter is copied out of its columns when the
+run is waited for. Not gloo's coalesced form (``ProcessGroup.all_gather_single_coalesced``), which
 would receive straight into each parameter's own buffer and save that copy: gloo corrupts the process's heap when it
 runs that form while another collective of the group is in flight (glibc aborts, "malloc(): unaligned tcache chunk
 detected"), and a run started ahead is always in flight beside a gradient reduce or another run. Reproduced in a few
@@ -26,6 +28,7 @@ from torch.nn import Parameter
 
 from ..native.gather import cast_all_gather_start
 from .comm import CommLog
+from .host_comm import Channel
 from .ops import Run, decode_plan
 
 # a run's collective goes out in chunks of about this many gathered elements (see _start_chunks): 2^20 (4 MiB of
@@ -50,11 +53,12 @@ class Plan:
 class _Started:
     work: object
     send: Tensor  # kept alive until the collective is done
-    recv: Optional[Tensor]  # the rows received (world size x the members' shards)
+    recv: Optional[Tensor]  # the rows received (world size x the members' shards); None through shared memory
     members: List[Parameter]
     shards: List[Tuple[int, int]]  # the members' shard_state when it was started
     dtype: torch.dtype
     issued: float  # time.perf_counter() when the collective was started
+    nbytes: int  # gathered bytes, counted live from the start to the end of the copies out
 
 
 class GatherRuns:
@@ -64,7 +68,7 @@ class GatherRuns:
 
     def __init__(self, params: Dict[int, Parameter], names: Dict[int, str], *, group, world_size: int,
                  device: torch.device, shards_offloaded: bool, native_start: bool, prefetch_across_graphs: bool,
-                 comm: CommLog, is_gathered: Callable[[Tuple[int, torch.dtype]], bool],
+                 comm: CommLog, host: Optional[Channel], is_gathered: Callable[[Tuple[int, torch.dtype]], bool],
                  add_gathered: Callable[[Parameter, torch.dtype, Tensor, Tuple[int, int]], None],
                  name: Callable[[Parameter], str]):
         self.params, self._names = params, names
@@ -77,6 +81,7 @@ class GatherRuns:
         self.native_start = native_start
         self.prefetch_across_graphs = prefetch_across_graphs
         self.comm = comm
+        self.host = host  # shared-memory slots for the runs' collectives, where every rank is on this host
         self._is_gathered, self._add_gathered, self._name = is_gathered, add_gathered, name
         # the runs the graphs have started, by their ``plan`` text, in first-use order (decoded once)
         self.plans: Dict[str, Plan] = {}
@@ -209,7 +214,14 @@ class GatherRuns:
             self.comm.counters.shard_copies += 1
         elif len(shards) == 1:
             joined = shards[0]
-        if self.native_start:  # the op casts into a send buffer of its own: joined shards need no copy first
+        width = sum(widths)
+        if self.host is not None and self.host.fits(width * dtype.itemsize):
+            # cast into this rank's slot in the copy that joins the shards; read out parameter by parameter
+            send = recv = None
+            work = self.host.start(width * dtype.itemsize,
+                                   lambda slot: torch.cat(shards, out=slot.view(dtype)),
+                                   lambda rows: _columns([row.view(dtype) for row in rows], widths))
+        elif self.native_start:  # the op casts into a send buffer of its own: joined shards need no copy first
             send = joined if joined is not None else torch.cat(shards)
             work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.comm.timeout)
             recv = work.flat.view(self.world_size, -1)
@@ -219,25 +231,35 @@ class GatherRuns:
             recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
             work = dist.all_gather_single(recv.view(-1), send, group=self.group, async_op=True)
         self.comm.counters.allgather_collectives += 1
-        width = sum(widths)
         self.comm.issued("all-gather", members, width)
-        self.comm.add_live_bytes(width * self.world_size * dtype.itemsize, eager=False)
-        return _Started(work, send, recv, members, states, dtype, time.perf_counter())
+        nbytes = width * self.world_size * dtype.itemsize
+        self.comm.add_live_bytes(nbytes, eager=False)
+        return _Started(work, send, recv, members, states, dtype, time.perf_counter(), nbytes)
 
     def _finish(self, started: _Started) -> None:
         """Wait for a started all-gather (the exposed part of its time is counted), then hand each parameter's gathered
-        buffer over, unclaimed, to wait for its own gather op: a copy of its columns of the received rows, so that
-        each is released on its own."""
+        buffer over, unclaimed, to wait for its own gather op: a copy of its columns of the received rows (of every
+        rank's slot), so that each is released on its own."""
         start = time.perf_counter()
         self.comm.wait(started.work,
                        lambda: "the all-gather of parameters " + ", ".join(self._name(p) for p in started.members))
         self.comm.done("all-gather", start, started.issued)
-        offset = 0
-        for param, shard in zip(started.members, started.shards):
-            width = param.ds_tensor.numel()
-            flat = started.recv[:, offset:offset + width].reshape(-1)  # rows -> one contiguous buffer (a copy)
-            offset += width
+        if started.recv is None:  # through shared memory: copied out by the wait
+            flats = started.work.result
+        else:  # rows -> one contiguous buffer a parameter (a copy each)
+            flats = _columns(started.recv, [param.ds_tensor.numel() for param in started.members])
+        for param, shard, flat in zip(started.members, started.shards, flats):
             self._add_gathered(param, started.dtype, flat, shard)
         # the receive buffer is freed here (the copies above were live beside it)
-        self.comm.add_live_bytes(-started.recv.numel() * started.recv.element_size(), eager=False)
-        started.send = started.recv = None
+        self.comm.add_live_bytes(-started.nbytes, eager=False)
+        started.send = started.recv = started.work = None
+
+
+def _columns(rows, widths: List[int]) -> List[Tensor]:
+    """Each parameter's gathered buffer: its columns of every rank's row (``rows``: a (world size, run) tensor or one
+    1-D tensor per rank), side by side."""
+    flats, offset = [], 0
+    for width in widths:
+        flats.append(torch.cat([row[offset:offset + width] for row in rows]))
+        offset += width
+    return flats

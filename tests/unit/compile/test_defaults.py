@@ -21,15 +21,18 @@ def _default_config(section=None):
     return config
 
 
-def _engines(model_name, backend="eager", zero_overrides=None, extra=None):
+DEEPCOMPILE = (("eager", None), ("deepcompile", {"deepcompile": True}))
+
+
+def _engines(model_name, backend="eager", zero_overrides=None, extra=None, sections=DEEPCOMPILE):
     """Eager ZeRO-3, then DeepCompile, on the same model at the default settings (plus the overrides): yields
-    (name, engine); each engine is destroyed after its turn."""
+    (name, engine) for each (name, compile section) of ``sections``; each engine is destroyed after its turn."""
     import deepspeed
     import torch
     import models_eager
     deepspeed.init_distributed(dist_backend="gloo")
     torch._dynamo.reset()
-    for name, section in (("eager", None), ("deepcompile", {"deepcompile": True})):
+    for name, section in sections:
         model = models_eager.make(model_name)
         config = _default_config(section)
         config["zero_optimization"].update(zero_overrides or {})
@@ -202,7 +205,12 @@ def _reduce_bytes(steps):
     for precision, extra in PRECISIONS.items():
         out[precision] = {}
         # every parameter sharded
-        for name, engine in _engines("plain", zero_overrides={"stage3_param_persistence_threshold": 0}, extra=extra):
+        # DeepCompile's reduces counted where they meet the process group (host_comm "gloo"), and through shared
+        # memory (its default on one host), where only engine_report counts them
+        sections = DEEPCOMPILE + (("deepcompile-shm", {"deepcompile": True, "host_comm": "shm"}), )
+        sections = (sections[0], ("deepcompile", {"deepcompile": True, "host_comm": "gloo"}), sections[2])
+        for name, engine in _engines("plain", zero_overrides={"stage3_param_persistence_threshold": 0}, extra=extra,
+                                     sections=sections):
             idx, targets = models_eager.batch(0, rank, 12)
             engine.backward(engine(idx, targets))  # the first step compiles: count the steps after it
             engine.step()
@@ -215,10 +223,11 @@ def _reduce_bytes(steps):
                     norms.append(float(engine.get_global_grad_norm()))
             result = out[precision][name] = {"bytes": counts.reduce_scatter_bytes + counts.all_reduce_bytes,
                                              "reduce_scatter_bytes": counts.reduce_scatter_bytes, "grad_norms": norms}
-            if name == "deepcompile":
+            if name != "eager":
                 from deepspeed.compile.report import engine_report
+                report = engine_report(engine) or {}
                 result["active"] = engine.is_deepcompile_active()
-                result["reduces"] = (engine_report(engine) or {}).get("reduces", 0)
+                result.update({key: report.get(key) for key in ("reduces", "reduce_bytes", "host_comm")})
     return out
 
 
@@ -236,8 +245,14 @@ def test_gradients_travel_in_each_parameters_comm_dtype():
             dc, eager = by_engine["deepcompile"], by_engine["eager"]
             assert dc["active"] and dc["reduces"] > 0, (precision, dc)
             assert dc["bytes"] == eager["bytes"] > 0, (precision, dc["bytes"], eager["bytes"])
-            worst = max(abs(a - b) / b for a, b in zip(dc["grad_norms"], eager["grad_norms"]))
-            assert worst <= 2 ** -8, (precision, dc["grad_norms"], eager["grad_norms"])
+            # through shared memory: the same gradient bytes, none of them through the process group
+            shm = by_engine["deepcompile-shm"]
+            assert dc["host_comm"] == "gloo" and shm["host_comm"] == "shm", (dc, shm)
+            assert shm["reduce_bytes"] == dc["reduce_bytes"] > 0, (precision, shm, dc)
+            assert 0 < shm["bytes"] * 100 < dc["bytes"], (precision, shm["bytes"], dc["bytes"])  # the norms' scalars
+            for run in (dc, shm):
+                worst = max(abs(a - b) / b for a, b in zip(run["grad_norms"], eager["grad_norms"]))
+                assert worst <= 2 ** -8, (precision, run["grad_norms"], eager["grad_norms"])
         # (eager ZeRO-3's gradients all travel in reduce-scatters; its all-reduces are the norm's scalars)
         assert r["bf16, fp32 communication"]["eager"]["reduce_scatter_bytes"] == \
             2 * r["bf16"]["eager"]["reduce_scatter_bytes"] > 0, r

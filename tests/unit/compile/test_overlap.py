@@ -3,6 +3,7 @@ peak of live gathered bytes (which counts their receive buffers too) stays at or
 from forward to backward within ``compile.keep_gathered_bytes`` are not gathered again in backward."""
 from typing import Dict, List
 
+import pytest
 import torch
 from torch.fx import Graph, GraphModule
 
@@ -62,13 +63,15 @@ def test_memory_plan_counts_the_run_in_flight():
 
 
 # ----- rank functions (module level: each rank imports them by name) ---------------------------------------
-def _rank_gather_runs() -> Dict:
+def _rank_gather_runs(through_shm: bool) -> Dict:
     """Two runs of made-up sharded parameters (one in flight ahead), gathered by ``GatherRuns`` in chunks, in fp32
-    and cast to bf16: what it hands over, and the live gathered bytes it recorded on the way."""
+    and cast to bf16, through gloo or through shared memory with fewer slots than chunks: what it hands over, the
+    live gathered bytes it recorded on the way, and how many collectives went through shared memory."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.compile.runtime import z3_runs
     from deepspeed.compile.runtime.comm import CommLog
+    from deepspeed.compile.runtime.host_comm import Channel, new_token
     from deepspeed.compile.runtime.ops import encode_plan
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -88,6 +91,7 @@ def _rank_gather_runs() -> Dict:
     second = [(4, torch.bfloat16), (0, torch.bfloat16)]
     z3_runs.GATHER_CHUNK_NUMEL = 1200  # several chunks a run
     comm = CommLog(timeout_s=60)
+    host = Channel(None, rank, world, 4 * 1000, 2, new_token(None), "t") if through_shm else None
     got = {}
 
     def add(param, dtype, flat, shard):
@@ -96,13 +100,13 @@ def _rank_gather_runs() -> Dict:
 
     runs = z3_runs.GatherRuns(params, {i: f"p{i}" for i in params}, group=None, world_size=world,
                               device=torch.device("cpu"), shards_offloaded=False, native_start=False,
-                              prefetch_across_graphs=False, comm=comm, is_gathered=lambda key: key in got,
+                              prefetch_across_graphs=False, comm=comm, host=host, is_gathered=lambda key: key in got,
                               add_gathered=add, name=lambda p: f"p{p.ds_id}")
     runs.run(encode_plan(first, second), 0, params[0])  # gathers the first run, starts the second
     started_ahead = runs.has_inflight
     runs.finish_inflight()
     out = {"got": got, "live": comm.counters.live_gathered_bytes, "started_ahead": started_ahead,
-           "collectives": comm.counters.allgather_collectives}
+           "collectives": comm.counters.allgather_collectives, "through_shm": 0 if host is None else host._next}
     out["expected"] = {(ds_id, dtype or torch.float32): torch.cat([shard(ds_id, r) for r in range(world)]).to(dtype or torch.float32)
                        for ds_id, dtype in first + second}
     return out
@@ -144,12 +148,13 @@ def _rank_coalesced(layers: int, backend: str, prefetch_numel: int, steps: int, 
     return out
 
 
-def test_a_runs_collective_hands_over_each_parameter_gathered():
+@pytest.mark.parametrize("through_shm", [False, True], ids=["gloo", "shm"])
+def test_a_runs_collective_hands_over_each_parameter_gathered(through_shm):
     """A run's collective, received as rows and copied out chunk by chunk: every parameter bitwise what the ranks'
     shards concatenate to, in its gather dtype, and the live gathered bytes back to what was handed over. (Not gloo's
     coalesced form, received into each parameter's own buffer: it corrupts the heap beside another collective in
     flight, ``benchmarks/gloo_collectives.py --race``.)"""
-    for r in run_distributed(_rank_gather_runs, timeout_s=120):
+    for r in run_distributed(_rank_gather_runs, through_shm, timeout_s=120):
         expected = r["expected"]
         assert r["started_ahead"]
         assert set(r["got"]) == set(expected)
@@ -157,6 +162,7 @@ def test_a_runs_collective_hands_over_each_parameter_gathered():
             assert r["got"][key].dtype == tensor.dtype and torch.equal(r["got"][key], tensor), key
         assert r["live"] == sum(t.numel() * t.element_size() for t in expected.values())
         assert r["collectives"] > 3  # several chunks, and a collective per dtype of a run
+        assert r["through_shm"] == (r["collectives"] if through_shm else 0)
 
 
 def test_in_flight_bound_holds_on_the_12_block_gpt():
