@@ -47,6 +47,7 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
             "gather_path": runtime.gather_path,
             # "shm": the collectives through shared memory between the ranks of this host (compile.host_comm)
             "host_comm": runtime.host_comm,
+            "host_comm_bytes": 0 if runtime.host is None else runtime.host.bytes,  # this rank's shared segments
             "gather_seconds": c.gather_seconds,
             "runs_started_ahead": c.runs_started_ahead,
             "unclaimed_gathers": c.unclaimed_gathers,  # prefetched and never used (wasted collective bytes)

@@ -224,7 +224,7 @@ class HostComm:
     """The runtime's two channels: ``gather`` (slots of a gathered chunk's shard) and ``reduce`` (slots of a chunk of
     a gradient bucket)."""
 
-    def __init__(self, group, gather_slot_bytes: int, reduce_slot_bytes: int, gather_slots: int = 16,
+    def __init__(self, group, gather_slot_bytes: int, reduce_slot_bytes: int, gather_slots: int = 8,
                  reduce_slots: int = 4):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         token = new_token(group)

@@ -32,7 +32,7 @@ from .z3_reduce import GradientReducer
 from .z3_runs import GATHER_CHUNK_NUMEL, GatherRuns, shard_state
 
 # a chunk of a gradient bucket reduced through shared memory (compile.host_comm): one slot of the reduce channel
-HOST_REDUCE_SLOT_BYTES = 8 << 20
+HOST_REDUCE_SLOT_BYTES = 4 << 20
 
 log = logging.getLogger(__name__)
 
