@@ -280,7 +280,8 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
     inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
     _check_regions(engine, compile_config)
     from .runtime.z12 import Z12Runtime
-    runtime = Z12Runtime(engine, stage=stage, timeout_s=compile_config.collective_timeout_s)
+    runtime = Z12Runtime(engine, stage=stage, timeout_s=compile_config.collective_timeout_s,
+                         host_comm=compile_config.host_comm)
     return _activate(engine, runtime, stage, backend, compile_config, inductor_config, compile_kwargs)
 
 

@@ -37,6 +37,9 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         "pass_seconds": dict(state.stats.pass_times),
         "compile_seconds": dict(state.stats.compile_seconds),
     }
+    # "shm": the collectives through shared memory between the ranks of this host (compile.host_comm)
+    report["host_comm"] = runtime.host_comm
+    report["host_comm_bytes"] = 0 if runtime.host is None else runtime.host.bytes  # this rank's shared segments
     if state.stage != 3:
         report["eager_grads"] = c.eager_grads
         report["reduces_started_ahead"] = c.reduces_started_ahead  # ZeRO-2 bucket reductions left in flight
@@ -45,9 +48,6 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
     else:
         report.update({
             "gather_path": runtime.gather_path,
-            # "shm": the collectives through shared memory between the ranks of this host (compile.host_comm)
-            "host_comm": runtime.host_comm,
-            "host_comm_bytes": 0 if runtime.host is None else runtime.host.bytes,  # this rank's shared segments
             "gather_seconds": c.gather_seconds,
             "runs_started_ahead": c.runs_started_ahead,
             "unclaimed_gathers": c.unclaimed_gathers,  # prefetched and never used (wasted collective bytes)

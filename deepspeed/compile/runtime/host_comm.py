@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 HOST_COMM_MODES = ("auto", "shm", "gloo")
+# a chunk of a gradient bucket reduced at once: one slot of the reduce channel
+REDUCE_SLOT_BYTES = 4 << 20
 _ALIGN = 64
 _PAGE = 4096
 # a wait with no timeout of its own (compile.collective_timeout_s 0) gives up after torch.distributed's default
@@ -122,16 +124,6 @@ class Channel:
             self._publish(work)
         return work
 
-    def close(self) -> None:
-        """Unmaps the segments; every started collective must have been waited for."""
-        self._data = self._published = self._consumed = []
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:  # a tensor over it is still alive somewhere: the mapping goes with the process
-                pass
-        self._maps = []
-
     # ----- the protocol ------------------------------------------------------------------------------------
     def _slot_free(self, seq: int) -> bool:
         s, old = seq % self.slots, seq - self.slots
@@ -182,6 +174,32 @@ class Channel:
         return True
 
 
+def start_sum(channel: Channel, columns: Tensor, row: Optional[int]) -> List[Work]:
+    """Every rank's ``columns`` (2-D) summed through ``channel``, chunk by chunk of columns, into ``columns[row]``
+    (this rank's row of a ZeRO-3 bucket: a reduce-scatter) or, with ``row`` None, into all of ``columns`` (an
+    all-reduce). Each chunk is written to this rank's slot when started and summed, in rank order, from every rank's
+    slot when waited for; ``columns`` must not change in between."""
+    height, width = columns.shape
+    step = max(1, channel.slot_bytes // (height * columns.element_size()))
+    works = []
+    for start in range(0, width, step):
+        chunk = columns[:, start:start + step]
+        out = chunk if row is None else chunk[row]
+        works.append(channel.start(chunk.numel() * chunk.element_size(),
+                                   lambda slot, chunk=chunk: slot.view(chunk.dtype).view(chunk.shape).copy_(chunk),
+                                   lambda slots, chunk=chunk, out=out: _sum(slots, chunk, out, row)))
+    return works
+
+
+def _sum(slots: List[Tensor], chunk: Tensor, out: Tensor, row: Optional[int]) -> None:
+    parts = [slot.view(chunk.dtype).view(chunk.shape) for slot in slots]
+    if row is not None:
+        parts = [part[row] for part in parts]
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
+
+
 def _where() -> tuple:
     """This process's host (name and boot id), architecture, and whether it has /dev/shm."""
     try:
@@ -221,30 +239,27 @@ def new_token(group) -> str:
 
 
 class HostComm:
-    """The runtime's two channels: ``gather`` (slots of a gathered chunk's shard) and ``reduce`` (slots of a chunk of
-    a gradient bucket)."""
+    """A runtime's channels: ``gather`` (slots of a gathered chunk's shard; None at ZeRO-1/2) and ``reduce`` (slots
+    of a chunk of a gradient bucket)."""
 
     def __init__(self, group, gather_slot_bytes: int, reduce_slot_bytes: int, gather_slots: int = 8,
                  reduce_slots: int = 4):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         token = new_token(group)
-        self.rank, self.world_size = rank, world_size
-        self.gather = Channel(group, rank, world_size, gather_slot_bytes, gather_slots, token, "g")
+        self.gather = Channel(group, rank, world_size, gather_slot_bytes, gather_slots, token, "g") \
+            if gather_slot_bytes else None
         self.reduce = Channel(group, rank, world_size, reduce_slot_bytes, reduce_slots, token, "r")
 
     @property
     def bytes(self) -> int:
-        return self.gather.bytes + self.reduce.bytes
-
-    def close(self) -> None:
-        self.gather.close()
-        self.reduce.close()
+        return self.reduce.bytes + (self.gather.bytes if self.gather is not None else 0)
 
 
 def open_host_comm(mode: str, group, device: torch.device, gather_slot_bytes: int,
                    reduce_slot_bytes: int) -> Optional[HostComm]:
     """``compile.host_comm``: ``"gloo"`` None; ``"shm"`` shared memory or a ``ValueError`` saying why not; ``"auto"``
-    shared memory where every rank is on this host (CPU, gloo, x86-64), else None."""
+    shared memory where every rank is on this host (CPU, gloo, x86-64), else None. ``gather_slot_bytes`` 0: no
+    gather channel."""
     if mode not in HOST_COMM_MODES:
         raise ValueError(f"compile.host_comm: {mode!r} is not one of {', '.join(HOST_COMM_MODES)}")
     if mode == "gloo":

@@ -30,6 +30,7 @@ from torch.nn import Parameter
 
 from . import registry
 from .ops import gradient_wanted
+from .host_comm import REDUCE_SLOT_BYTES, open_host_comm
 from .z12_reduce import BucketFlush
 
 
@@ -47,7 +48,7 @@ class Z12Counters:
 
 class Z12Runtime:
 
-    def __init__(self, engine, *, stage: int, timeout_s: float = 0.0):
+    def __init__(self, engine, *, stage: int, timeout_s: float = 0.0, host_comm: str = "auto"):
         self.engine = engine
         self.optimizer = engine.optimizer
         self.stage = stage
@@ -80,7 +81,14 @@ class Z12Runtime:
         self._own_hooks: List = []
         self._take_over_grad_hooks()
         # ZeRO's bucket reductions, counted, and at ZeRO-2 left in flight while backward goes on
-        self.flush = BucketFlush(self.optimizer, lambda: self.counters, timeout_s)
+        # ZeRO-2's bucket all-reduces through shared memory where every rank is on this host (compile.host_comm);
+        # ZeRO-1 reduces with ZeRO's own code, through the process group
+        self.host = open_host_comm(host_comm, self.optimizer.dp_process_group, torch.device(engine.device),
+                                   gather_slot_bytes=0, reduce_slot_bytes=REDUCE_SLOT_BYTES) \
+            if stage == 2 else None
+        self.host_comm = "gloo" if self.host is None else "shm"
+        self.flush = BucketFlush(self.optimizer, lambda: self.counters, timeout_s,
+                                 host=None if self.host is None else self.host.reduce)
         self.optimizer.reduce_ipg_grads = self.flush.reduce_ipg_grads
         self.optimizer.setup_buckets = self.flush.setup_buckets
         self.id = registry.register(self)

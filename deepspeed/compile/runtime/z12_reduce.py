@@ -35,11 +35,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .comm import CommLog
+from .host_comm import Channel, start_sum
 
 
 @dataclass
 class _InFlight:
-    work: object
+    work: List[object]  # its collectives (one, or a chunk each through shared memory)
     flat: Tensor  # the bucket's divided gradients in its communication dtype: the collective's buffer
     slices: List[Tuple[Tensor, int, int]]  # (this rank's part of a gradient in the partition, offset in flat, numel)
     later: List[Tuple[Tensor, int]]  # (parameter, group) whose gradient goes to the partition when reduced in place
@@ -49,12 +50,13 @@ class BucketFlush:
     """ZeRO-2's ``reduce_ipg_grads`` with the collective left in flight (see the module docstring).
     ``counters_of`` returns the runtime's current ``Z12Counters``."""
 
-    def __init__(self, optimizer, counters_of, timeout_s: float = 0.0):
+    def __init__(self, optimizer, counters_of, timeout_s: float = 0.0, host: Optional[Channel] = None):
         self.optimizer = optimizer
         self._zero_reduce = type(optimizer).reduce_ipg_grads.__get__(optimizer)  # ZeRO's own, for its other paths
         self._counters_of = counters_of  # the runtime resets its counters object: always ask for the current one
         self._waits = CommLog(timeout_s)  # its wait: a collective past compile.collective_timeout_s names itself
         self.in_flight: List[_InFlight] = []  # started all-reduces, oldest first
+        self._host = host  # shared-memory slots, where every rank is on this host (compile.host_comm)
         self.overlapped = self._can_overlap()
         # (group, ZeRO param id) -> (start, numel) of the part of its gradient in this rank's partition: fixed when
         # ZeRO partitioned its groups, worked out at the first bucket reduced through a cast copy (torch autocast's
@@ -147,7 +149,10 @@ class BucketFlush:
                 bucket.buffer[bucket.index] = torch.empty_like(buffer)
         else:
             flat = tensor.to(dtype)  # the collective in the communication dtype: this rank's slices are cast back
-        work = dist.all_reduce(flat, group=group, async_op=True)
+        if self._host is not None:  # the ranks' sum added in rank order: with 2 ranks gloo's sum bit for bit
+            work = start_sum(self._host, flat.view(1, -1), None)
+        else:
+            work = [dist.all_reduce(flat, group=group, async_op=True)]
         slices, later = [], []
         offset = 0  # of the gradient in the bucket
         for group_idx, param_idx, param_id in bucket.params:
@@ -194,7 +199,8 @@ class BucketFlush:
         self.in_flight = keep
         opt = self.optimizer
         for flight in done:
-            self._waits.wait(flight.work, lambda: f"ZeRO-2's gradient all-reduce of {flight.flat.numel()} elements")
+            for work in flight.work:
+                self._waits.wait(work, lambda: f"ZeRO-2's gradient all-reduce of {flight.flat.numel()} elements")
             for param, group_idx in flight.later:  # in start order: ZeRO lays the partition out as they come
                 opt.copy_grads_in_partition(param, group_idx)
             for dest, offset, numel in flight.slices:

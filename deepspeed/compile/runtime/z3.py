@@ -24,15 +24,12 @@ from torch.nn import Parameter
 from ..native.gather import cast_all_gather_python, load_native, wait_for
 from . import registry, standins
 from .comm import CommLog, Counters
-from .host_comm import open_host_comm
+from .host_comm import REDUCE_SLOT_BYTES, open_host_comm
 from .eager_access import (EagerAccess, install_forwards_gathering_returned,
                            uninstall_forwards_gathering_returned)
 from .ops import gradient_wanted
 from .z3_reduce import GradientReducer
 from .z3_runs import GATHER_CHUNK_NUMEL, GatherRuns, shard_state
-
-# a chunk of a gradient bucket reduced through shared memory (compile.host_comm): one slot of the reduce channel
-HOST_REDUCE_SLOT_BYTES = 4 << 20
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +94,7 @@ class Z3Runtime:
         widest = max([p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.sharded.values()], default=0)
         self.host = open_host_comm(host_comm, self.group, self.device,
                                    gather_slot_bytes=max(widest, GATHER_CHUNK_NUMEL // self.world_size * 4),
-                                   reduce_slot_bytes=HOST_REDUCE_SLOT_BYTES)
+                                   reduce_slot_bytes=REDUCE_SLOT_BYTES)
         self.host_comm = "gloo" if self.host is None else "shm"
         self.reducer = GradientReducer(self.optimizer, self.params, self.group, self.world_size,
                                        int(engine.zero_reduce_bucket_size()), self.comm,

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from .comm import CommLog
-from .host_comm import Channel
+from .host_comm import Channel, start_sum
 
 
 @dataclass
@@ -176,7 +176,7 @@ class GradientReducer:
         send.div_(self.world_size)  # gloo has no AVG: pre-divide, then SUM (as eager ZeRO-3 does)
         if self._host is not None:
             recv = send.view(self.world_size, bucket.used)[self._rank]
-            work = self._host_reduce(send.view(self.world_size, bucket.used), recv)
+            work = start_sum(self._host, send.view(self.world_size, bucket.used), self._rank)
         elif self._all_reduce:  # this rank's row of the summed bucket is its partition (module docstring)
             work = [dist.all_reduce(send, group=self.group, async_op=True)]
             recv = send.view(self.world_size, bucket.used)[self._rank]
@@ -189,27 +189,6 @@ class GradientReducer:
         c.reduce_collectives += 1
         self.comm.issued("reduce-scatter", [param for param, _ in bucket.items], send.numel())
         self._pending.append(_PendingReduce(work, bucket.buffer, recv, bucket.items, time.perf_counter()))
-
-    def _host_reduce(self, rows: Tensor, out: Tensor) -> List[object]:
-        """``rows`` (world size, columns) reduced through shared memory into ``out`` (this rank's row of it), a chunk of
-        columns a slot: started, each chunk summed into ``out`` when it is waited for."""
-        columns = rows.shape[1]
-        step = max(1, self._host.slot_bytes // (self.world_size * rows.element_size()))
-        works = []
-        for start in range(0, columns, step):
-            chunk = rows[:, start:start + step]
-            width = chunk.shape[1]
-            works.append(self._host.start(chunk.numel() * chunk.element_size(),
-                                          lambda slot, chunk=chunk: slot.view(chunk.dtype).view(chunk.shape).copy_(chunk),
-                                          lambda slots, part=out[start:start + width]: self._sum_rows(slots, part)))
-        return works
-
-    def _sum_rows(self, slots: List[Tensor], out: Tensor) -> None:
-        """``out`` = this rank's row of every rank's slot, summed in rank order."""
-        mine = [slot.view(out.dtype).view(self.world_size, -1)[self._rank] for slot in slots]
-        torch.add(mine[0], mine[1], out=out)
-        for row in mine[2:]:
-            out.add_(row)
 
     def _finish_reduces(self) -> None:
         while self._pending:

@@ -120,6 +120,7 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
     names = ({p.ds_id: name for name, p in compiled.module.named_parameters()} if stage == 3
              else {key: state.runtime._names[key] for key in state.runtime.params})
     out.update({"active": compiled.is_deepcompile_active(), "counters": vars(state.runtime.counters).copy(),
+                "host_comm": state.runtime.host_comm,  # how its collectives went between the ranks
                 "saved": vars(state.stats.saved).copy(), "graphs": state.stats.graphs_compiled,
                 # the largest gathered bytes any compiled graph's schedule holds at once (schedule/memory_plan.py)
                 "planned_peak": state.stats.planned_peak_gathered_bytes,

@@ -63,3 +63,42 @@ def test_a_wait_gives_up_at_its_timeout_when_a_rank_never_joins():
     result = next(r for r in run_distributed(_rank_absent_peer, timeout_s=60) if r["rank"] == 0)
     assert result["completed"] is False
     assert 0.4 < result["waited"] < 10
+
+
+def _rank_sums(world_rows: bool) -> dict:
+    """A bucket summed over the ranks through slots smaller than it (several chunks): into this rank's row of a
+    (world, columns) bucket (ZeRO-3's reduce-scatter), or into the whole of a (1, columns) one (ZeRO-2's all-reduce);
+    the result against gloo's all-reduce of the same values."""
+    from deepspeed.compile.runtime.host_comm import start_sum
+    rank, world = dist.get_rank(), dist.get_world_size()
+    channel = Channel(None, rank, world, 4 * 96, 2, new_token(None), "t")
+    torch.manual_seed(rank)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        columns = torch.randn(world if world_rows else 1, 1000).to(dtype)
+        expected = columns.clone()
+        dist.all_reduce(expected)
+        works = start_sum(channel, columns, rank if world_rows else None)
+        for work in works:
+            assert work.wait(datetime.timedelta(seconds=60))
+        got = columns[rank] if world_rows else columns
+        want = expected[rank] if world_rows else expected
+        out[str(dtype)] = {"equal": torch.equal(got, want), "chunks": len(works)}
+    return out
+
+
+def test_sums_over_two_ranks_are_gloos_bit_for_bit_chunk_by_chunk():
+    for world_rows in (True, False):
+        for r in run_distributed(_rank_sums, world_rows, timeout_s=120):
+            for dtype, got in r.items():
+                assert got["equal"], (world_rows, dtype)
+                assert got["chunks"] > 4, (world_rows, dtype, got)  # more chunks than slots
+
+
+def test_shm_where_it_cannot_be_used_is_an_error_naming_the_option_and_why():
+    import pytest
+    from deepspeed.compile.runtime.host_comm import open_host_comm
+    with pytest.raises(ValueError, match=r"compile.host_comm='shm' cannot be used: the runtime's device is meta"):
+        open_host_comm("shm", None, torch.device("meta"), 64, 64)
+    assert open_host_comm("auto", None, torch.device("meta"), 64, 64) is None  # auto: the process group instead
+    assert open_host_comm("gloo", None, torch.device("cpu"), 64, 64) is None

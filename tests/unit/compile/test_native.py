@@ -209,7 +209,7 @@ def _rank_cuda_collective_forms() -> Dict[str, tuple]:
     out = {}
     try:
         for forms in ("cuda", "gloo"):
-            engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": "native"}, "autocast",
+            engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": "native", "host_comm": "gloo"}, "autocast",
                                                   zero_overrides={"stage3_prefetch_bucket_size": 3000}))
             engine.compile(backend="eager")
             runtime = runtime_of(engine)

@@ -1,7 +1,8 @@
 """Each of this module's own "compile" options against eager ZeRO-3 on the same data (2 gloo ranks, eager backend).
 
-fp32 options (none set, ``schedule: "traced"``, ``prefetch: 2``, ``partitioner: "default"``, ``regions: "blocks"``) change
-where gathers, releases and saved tensors go, or which graphs there are, never the arithmetic: losses, gradients
+fp32 options (none set, ``schedule: "traced"``, ``prefetch: 2``, ``partitioner: "default"``, ``regions: "blocks"``,
+``host_comm: "gloo"``) change where gathers, releases and saved tensors go, which graphs there are, or how collectives
+move between the ranks, never the arithmetic: losses, gradients
 after every backward of the first 2 steps, parameters and buffers must be bitwise equal to eager ZeRO-3's.
 ``fused_cast: false`` only matters under autocast(bf16), where the compiled graph and eager ZeRO-3 round
 differently: the bounds of test_pipeline.py apply against eager ZeRO-3, and the unfused graph must be bitwise equal to the fused one (casting a shard before the
@@ -13,7 +14,8 @@ from distributed import run_distributed
 
 STEPS = 6
 FP32_OPTIONS = {"none": {}, "traced": {"schedule": "traced"}, "prefetch2": {"prefetch": 2},
-                "default_partitioner": {"partitioner": "default"}, "blocks": {"regions": "blocks"}}
+                "default_partitioner": {"partitioner": "default"}, "blocks": {"regions": "blocks"},
+                "gloo": {"host_comm": "gloo"}}
 
 
 def _options_against_eager():
@@ -78,6 +80,8 @@ def test_fp32_option_matches_eager_zero3(results, option):
         # every gathered copy was used by an op: under "blocks" each run was planned on the first block and moved to
         # the block it ran on (gathering the first block's parameters there instead trains the same, at a cost)
         assert r["counters"]["unclaimed_gathers"] == 0, r["counters"]
+        # the ranks share this host: gathers and reduces through shared memory unless told otherwise
+        assert r["host_comm"] == ("gloo" if option == "gloo" else "shm"), (option, r["host_comm"])
         assert_bitwise_equal(r)
         assert loss_fell(r["losses"], by=0.01), r["losses"]
     assert not any(out[option]["ran_uncompiled"] for out in results)

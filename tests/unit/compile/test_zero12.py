@@ -32,6 +32,8 @@ FP32_CASES = {  # name: (model, ds_config keywords)
     "no_contiguous": ("gpt", {"zero_overrides": {"contiguous_gradients": False}}),
     # block by block: the graph compiled for the first block serves the second, on its own parameters
     "blocks": ("gpt", {"compile_section": {"regions": "blocks"}}),
+    # ZeRO-2's bucket all-reduces through the process group, not shared memory (the default on one host)
+    "gloo": ("gpt", {"compile_section": {"host_comm": "gloo"}}),
 }
 
 
@@ -42,7 +44,7 @@ def _summary(r, stage):
             "grads": [unequal(g, e) for g, e in zip(r["grads"], r["eager_grads"])],
             "params": unequal(r["params"], r["eager_params"]), "master": unequal(r["master"], r["eager_master"]),
             "active": r["active"], "counters": r["counters"], "graphs": r["graphs"], "traced": r["traced_params"],
-            "grad_buffers": (r["grad_buffers"], r["eager_grad_buffers"])}
+            "grad_buffers": (r["grad_buffers"], r["eager_grad_buffers"]), "host_comm": r["host_comm"]}
 
 
 def _forward_with_break(model):
@@ -175,6 +177,9 @@ def test_fp32_matches_eager_zero_bitwise(stage_results, case):
     for out in results:
         r = out[case]
         assert r["active"] and r["graphs"] == 1, r
+        # ZeRO-2's own bucket all-reduces through shared memory on one host (compile.host_comm); ZeRO-1 reduces with
+        # ZeRO's code, through the process group
+        assert r["host_comm"] == ("shm" if stage == 2 and case != "gloo" else "gloo"), (case, r["host_comm"])
         # every gradient came from a compiled backward, but with blocks: dynamo runs the model's own frame as Python
         # (it breaks inside the loop over the blocks), so the 4 parameters outside the blocks (embedding, position,
         # final norm) get theirs from eager code, each step; the second block's come from the compiled graph too
