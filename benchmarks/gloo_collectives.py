@@ -8,7 +8,10 @@ total gathered size split into ``--members`` parameters: received as rows and ea
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/gloo_collectives.py [--mib 4,24]
 
 For each size (MiB of fp32 sent by each rank to the reduce), rank 0 prints the median over ``--repeats`` timed calls
-(after one untimed) of each collective, every call started after a barrier so both ranks start it together.
+(after one untimed) of each collective, every call started after a barrier so both ranks start it together. Beside
+gloo's, the same three collectives through shared memory as the runtime runs them where every rank is on this host
+(``compile.host_comm``, ``runtime/host_comm.py``): ``shm_reduce_scatter`` (this rank's row of the bucket summed),
+``shm_all_reduce`` (all of it, ZeRO-2's form) and ``shm_all_gather``; and ``copy``, one copy of the gathered size.
 
 ``--race SECONDS`` instead runs one form of a run's gather (``--race-form``) for that long the way the runtime runs it:
 started asynchronously, an all-reduce in flight beside it (a gradient bucket), the host allocating meanwhile, each
@@ -26,8 +29,17 @@ import statistics
 import time
 from typing import List
 
+import os
+import sys
+
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.checkout import use_checkout  # noqa: E402
+
+use_checkout()
+from deepspeed.compile.runtime.host_comm import REDUCE_SLOT_BYTES, Channel, new_token, start_sum  # noqa: E402
 
 
 def _gather_rows(shards: List[torch.Tensor], world: int) -> List[torch.Tensor]:
@@ -42,6 +54,17 @@ def _gather_per_param(shards: List[torch.Tensor], world: int) -> List[torch.Tens
     outputs = [torch.empty(s.numel() * world) for s in shards]
     dist.group.WORLD.all_gather_single_coalesced(outputs, shards).wait()
     return outputs
+
+
+def _wait_all(works) -> None:
+    for work in works:
+        assert work.wait()
+
+
+def _shm_all_gather(channel: Channel, part: torch.Tensor, out: torch.Tensor) -> None:
+    work = channel.start(part.numel() * 4, lambda slot: slot.view(torch.float32).copy_(part),
+                         lambda rows: torch.cat([row.view(torch.float32) for row in rows], out=out))
+    assert work.wait()
 
 
 def _race(seconds: float, form: str, world: int) -> None:
@@ -96,15 +119,23 @@ def main() -> None:
         _race(args.race, args.race_form, world)
         dist.destroy_process_group()
         return
+    rank, token = dist.get_rank(), new_token(None)
+    widest = max(int(float(m) * 2**20 / 4) // world for m in args.mib.split(","))
+    gather_channel = Channel(None, rank, world, widest * 4, 8, token, "g")
+    reduce_channel = Channel(None, rank, world, REDUCE_SLOT_BYTES, 4, token, "r")
     for mib in (float(m) for m in args.mib.split(",")):
         numel = int(mib * 2**20 / 4) // world * world
-        bucket, part = torch.randn(numel), torch.empty(numel // world)
+        bucket, part, gathered = torch.randn(numel), torch.randn(numel // world), torch.empty(numel)
         shards = list(part.split(-(-part.numel() // args.members)))
         calls = {"reduce_scatter": lambda: dist.reduce_scatter_single(part, bucket),
                  "all_reduce": lambda: dist.all_reduce(bucket),
                  "all_gather": lambda: dist.all_gather_single(bucket, part),
                  "gather_rows": lambda: _gather_rows(shards, world),
-                 "gather_per_param": lambda: _gather_per_param(shards, world)}
+                 "gather_per_param": lambda: _gather_per_param(shards, world),
+                 "shm_reduce_scatter": lambda: _wait_all(start_sum(reduce_channel, bucket.view(world, -1), rank)),
+                 "shm_all_reduce": lambda: _wait_all(start_sum(reduce_channel, bucket.view(1, -1), None)),
+                 "shm_all_gather": lambda: _shm_all_gather(gather_channel, part, gathered),
+                 "copy": lambda: gathered.copy_(bucket)}
         medians = {}
         for name, call in calls.items():
             times = []

@@ -2,9 +2,10 @@
 
 gloo moves a collective's bytes through loopback sockets, copied by the kernel on the same cores the ranks compute on:
 on 2 CPU ranks it takes about 9 ms to all-gather 16 MiB that one copy moves in 1.5 ms
-(``benchmarks/gloo_collectives.py --host-comm``). When every rank of the group is on this host, the ZeRO-3 runtime's
-all-gathers and gradient reductions go through shared memory instead: each rank copies what it sends into a slot of its
-own segment, and every rank reads every other's slot straight into where the result goes.
+(``benchmarks/gloo_collectives.py``). When every rank of the group is on this host, the ZeRO-3 runtime's
+all-gathers and gradient reductions, and ZeRO-2's bucket all-reduces, go through shared memory instead: each rank
+copies what it sends into a slot of its own segment, and every rank reads every rank's slot straight into where the
+result goes.
 
 A :class:`Channel` has ``slots`` slots per rank; its collective number ``n`` uses slot ``n % slots``. Each rank's
 header holds, per slot, ``published`` (the collective whose data the slot holds) and ``consumed`` (the last collective
