@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.checkout import use_checkout  # noqa: E402
 
 use_checkout()
-from deepspeed.compile.runtime.host_comm import REDUCE_SLOT_BYTES, Channel, new_token, start_sum  # noqa: E402
+from deepspeed.compile.runtime.host_comm import (REDUCE_SLOT_BYTES, Channel, new_token, start_gather,  # noqa: E402
+                                                 start_sum)
 
 
 def _gather_rows(shards: List[torch.Tensor], world: int) -> List[torch.Tensor]:
@@ -61,10 +62,9 @@ def _wait_all(works) -> None:
         assert work.wait()
 
 
-def _shm_all_gather(channel: Channel, part: torch.Tensor, out: torch.Tensor) -> None:
-    work = channel.start(part.numel() * 4, lambda slot: slot.view(torch.float32).copy_(part),
-                         lambda rows: torch.cat([row.view(torch.float32) for row in rows], out=out))
-    assert work.wait()
+def _shm_all_gather(channel: Channel, part: torch.Tensor) -> None:
+    _, works = start_gather(channel, [part], torch.float32)
+    _wait_all(works)
 
 
 def _race(seconds: float, form: str, world: int) -> None:
@@ -120,8 +120,7 @@ def main() -> None:
         dist.destroy_process_group()
         return
     rank, token = dist.get_rank(), new_token(None)
-    widest = max(int(float(m) * 2**20 / 4) // world for m in args.mib.split(","))
-    gather_channel = Channel(None, rank, world, widest * 4, 8, token, "g")
+    gather_channel = Channel(None, rank, world, (1 << 20) // world * 4, 8, token, "g")  # the runtime's slots
     reduce_channel = Channel(None, rank, world, REDUCE_SLOT_BYTES, 4, token, "r")
     for mib in (float(m) for m in args.mib.split(",")):
         numel = int(mib * 2**20 / 4) // world * world
@@ -134,7 +133,7 @@ def main() -> None:
                  "gather_per_param": lambda: _gather_per_param(shards, world),
                  "shm_reduce_scatter": lambda: _wait_all(start_sum(reduce_channel, bucket.view(world, -1), rank)),
                  "shm_all_reduce": lambda: _wait_all(start_sum(reduce_channel, bucket.view(1, -1), None)),
-                 "shm_all_gather": lambda: _shm_all_gather(gather_channel, part, gathered),
+                 "shm_all_gather": lambda: _shm_all_gather(gather_channel, part),
                  "copy": lambda: gathered.copy_(bucket)}
         medians = {}
         for name, call in calls.items():

@@ -27,7 +27,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from typing import Callable, Deque, List, Optional
+from typing import Callable, Deque, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -35,9 +35,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 HOST_COMM_MODES = ("auto", "shm", "gloo")
-# a chunk of a gradient bucket reduced at once: one slot of the reduce channel
+# a reduce slot: a chunk of a gradient bucket reduced at once (a gather slot holds a rank's share of a run's chunk,
+# z3.py); 4 of them and 8 gather slots make this rank's segments 16 + 16 MiB at 2 ranks
 REDUCE_SLOT_BYTES = 4 << 20
 _ALIGN = 64
+# every page mapped at set-up, not faulted in at a slot's first use
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _PAGE = 4096
 # a wait with no timeout of its own (compile.collective_timeout_s 0) gives up after torch.distributed's default
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -81,7 +84,7 @@ class Channel:
         fd = os.open(paths[rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
-            mine = mmap.mmap(fd, size)
+            mine = mmap.mmap(fd, size, flags=_MAP_FLAGS)
         finally:
             os.close(fd)
         np.frombuffer(mine, dtype=np.int64, count=2 * slots)[:] = -1
@@ -93,7 +96,7 @@ class Channel:
                 continue
             fd = os.open(path, os.O_RDWR)
             try:
-                self._maps.append(mmap.mmap(fd, size))
+                self._maps.append(mmap.mmap(fd, size, flags=_MAP_FLAGS))
             finally:
                 os.close(fd)
         dist.barrier(group=group)  # every rank has mapped every segment: the names can go
@@ -107,9 +110,6 @@ class Channel:
         self._next = 0
         self._open: Deque[Work] = deque()  # started and not yet read, oldest first
         self.bytes = size  # this rank's segment
-
-    def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.slot_bytes
 
     def start(self, nbytes: int, fill: Callable[[Tensor], None], take: Callable[[List[Tensor]], object]) -> Work:
         if nbytes > self.slot_bytes:
@@ -173,6 +173,46 @@ class Channel:
             self._read(oldest)
             self._open.popleft()
         return True
+
+
+def start_gather(channel: Channel, shards: List[Tensor], dtype: torch.dtype) -> Tuple[List[Tensor], List[Work]]:
+    """Every rank's ``shards`` (1-D, the same widths on every rank) gathered through ``channel``, cast to ``dtype``:
+    a buffer per shard (world size x its width, rank-major, as an all-gather lays it out) and the collectives filling
+    them, a slot's worth of the shards back to back each (a shard wider than a slot spans several). Each is copied
+    into this rank's slot when started (the cast in the same copy) and out of every rank's slot when waited for."""
+    world, widths = channel.world_size, [shard.numel() for shard in shards]
+    outs = [torch.empty(world * width, dtype=dtype, device=shard.device) for shard, width in zip(shards, widths)]
+    starts = [0]
+    for width in widths:
+        starts.append(starts[-1] + width)
+    step = channel.slot_bytes // dtype.itemsize
+    works = []
+    for a in range(0, starts[-1], step):
+        b = min(a + step, starts[-1])
+        # (shard, from, to) of the shards' elements a..b
+        pieces = [(i, max(a, lo) - lo, min(b, hi) - lo) for i, (lo, hi) in enumerate(zip(starts, starts[1:]))
+                  if lo < b and hi > a]
+        works.append(channel.start((b - a) * dtype.itemsize,
+                                   lambda slot, pieces=pieces: _fill_pieces(slot.view(dtype), shards, pieces),
+                                   lambda rows, pieces=pieces: _take_pieces([row.view(dtype) for row in rows],
+                                                                            outs, widths, pieces)))
+    return outs, works
+
+
+def _fill_pieces(slot: Tensor, shards: List[Tensor], pieces) -> None:
+    torch.cat([shards[i][lo:hi] for i, lo, hi in pieces], out=slot)
+
+
+def _take_pieces(rows: List[Tensor], outs: List[Tensor], widths: List[int], pieces) -> None:
+    offset = 0
+    for i, lo, hi in pieces:
+        n = hi - lo
+        if n == widths[i]:  # the whole shard: every rank's, side by side, in one copy
+            torch.cat([row[offset:offset + n] for row in rows], out=outs[i])
+        else:
+            for r, row in enumerate(rows):
+                outs[i][r * widths[i] + lo:r * widths[i] + hi].copy_(row[offset:offset + n])
+        offset += n
 
 
 def start_sum(channel: Channel, columns: Tensor, row: Optional[int]) -> List[Work]:

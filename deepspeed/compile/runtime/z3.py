@@ -24,7 +24,7 @@ from torch.nn import Parameter
 from ..native.gather import cast_all_gather_python, load_native, wait_for
 from . import registry, standins
 from .comm import CommLog, Counters
-from .host_comm import REDUCE_SLOT_BYTES, open_host_comm
+from .host_comm import REDUCE_SLOT_BYTES, open_host_comm, start_gather
 from .eager_access import (EagerAccess, install_forwards_gathering_returned,
                            uninstall_forwards_gathering_returned)
 from .ops import gradient_wanted
@@ -90,10 +90,9 @@ class Z3Runtime:
         names = {p.ds_id: name for name, p in engine.module.named_parameters() if hasattr(p, "ds_id")}
         self._names = names
         # the collectives through shared memory where every rank is on this host (compile.host_comm): a gather slot
-        # holds this rank's part of a run's chunk (GatherRuns._start_chunks) or of the widest parameter gathered alone
-        widest = max([p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.sharded.values()], default=0)
+        # holds this rank's share of a run's chunk (GatherRuns._start_chunks) in fp32; a wider parameter takes several
         self.host = open_host_comm(host_comm, self.group, self.device,
-                                   gather_slot_bytes=max(widest, GATHER_CHUNK_NUMEL // self.world_size * 4),
+                                   gather_slot_bytes=GATHER_CHUNK_NUMEL // self.world_size * 4,
                                    reduce_slot_bytes=REDUCE_SLOT_BYTES)
         self.host_comm = "gloo" if self.host is None else "shm"
         self.reducer = GradientReducer(self.optimizer, self.params, self.group, self.world_size,
@@ -200,7 +199,7 @@ class Z3Runtime:
         self.comm.issued("all-gather", (param,), shard.numel())
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
         with self.comm.timeout_named(lambda: f"the all-gather of parameter {self.eager.name(param)}"):
-            if self.host is not None and self.host.gather.fits(shard.numel() * dtype.itemsize):
+            if self.host is not None:
                 flat = self._host_gather(shard, dtype)
             else:
                 flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.comm.timeout)
@@ -210,11 +209,10 @@ class Z3Runtime:
 
     def _host_gather(self, shard: Tensor, dtype: torch.dtype) -> Tensor:
         """One parameter gathered through shared memory: cast into this rank's slot, every rank's slot copied out."""
-        work = self.host.gather.start(shard.numel() * dtype.itemsize,
-                                      lambda slot: slot.view(dtype).copy_(shard.reshape(-1)),
-                                      lambda rows: torch.cat([row.view(dtype) for row in rows]))
-        wait_for(work, self.comm.timeout)
-        return work.result
+        (flat, ), works = start_gather(self.host.gather, [shard.reshape(-1)], dtype)
+        for work in works:
+            wait_for(work, self.comm.timeout)
+        return flat
 
     def _copy_held(self, param: Parameter, key: Tuple[int, torch.dtype]) -> Tensor:
         """A copy of a parameter eager code holds gathered, in the gather's dtype, freed by its release as a gathered

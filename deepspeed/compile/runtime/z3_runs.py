@@ -28,7 +28,7 @@ from torch.nn import Parameter
 
 from ..native.gather import cast_all_gather_start
 from .comm import CommLog
-from .host_comm import Channel
+from .host_comm import Channel, start_gather
 from .ops import Run, decode_plan
 
 # a run's collective goes out in chunks of about this many gathered elements (see _start_chunks): 2^20 (4 MiB of
@@ -215,12 +215,9 @@ class GatherRuns:
         elif len(shards) == 1:
             joined = shards[0]
         width = sum(widths)
-        if self.host is not None and self.host.fits(width * dtype.itemsize):
-            # cast into this rank's slot in the copy that joins the shards; read out parameter by parameter
+        if self.host is not None:  # cast into this rank's slot as the shards are joined; read out per parameter
             send = recv = None
-            work = self.host.start(width * dtype.itemsize,
-                                   lambda slot: torch.cat(shards, out=slot.view(dtype)),
-                                   lambda rows: _columns([row.view(dtype) for row in rows], widths))
+            work = start_gather(self.host, shards, dtype)
         elif self.native_start:  # the op casts into a send buffer of its own: joined shards need no copy first
             send = joined if joined is not None else torch.cat(shards)
             work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.comm.timeout)
@@ -241,12 +238,15 @@ class GatherRuns:
         buffer over, unclaimed, to wait for its own gather op: a copy of its columns of the received rows (of every
         rank's slot), so that each is released on its own."""
         start = time.perf_counter()
-        self.comm.wait(started.work,
-                       lambda: "the all-gather of parameters " + ", ".join(self._name(p) for p in started.members))
+        if started.recv is None:  # through shared memory: each parameter's buffer, filled by the waits
+            flats, works = started.work
+        else:
+            works = [started.work]
+        for work in works:
+            self.comm.wait(work,
+                           lambda: "the all-gather of parameters " + ", ".join(self._name(p) for p in started.members))
         self.comm.done("all-gather", start, started.issued)
-        if started.recv is None:  # through shared memory: copied out by the wait
-            flats = started.work.result
-        else:  # rows -> one contiguous buffer a parameter (a copy each)
+        if started.recv is not None:  # rows -> one contiguous buffer a parameter (a copy each)
             flats = _columns(started.recv, [param.ds_tensor.numel() for param in started.members])
         for param, shard, flat in zip(started.members, started.shards, flats):
             self._add_gathered(param, started.dtype, flat, shard)
@@ -255,9 +255,8 @@ class GatherRuns:
         started.send = started.recv = started.work = None
 
 
-def _columns(rows, widths: List[int]) -> List[Tensor]:
-    """Each parameter's gathered buffer: its columns of every rank's row (``rows``: a (world size, run) tensor or one
-    1-D tensor per rank), side by side."""
+def _columns(rows: Tensor, widths: List[int]) -> List[Tensor]:
+    """Each parameter's gathered buffer: its columns of every rank's row of ``rows`` (world size, run), side by side."""
     flats, offset = [], 0
     for width in widths:
         flats.append(torch.cat([row[offset:offset + width] for row in rows]))

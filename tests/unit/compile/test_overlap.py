@@ -91,7 +91,8 @@ def _rank_gather_runs(through_shm: bool) -> Dict:
     second = [(4, torch.bfloat16), (0, torch.bfloat16)]
     z3_runs.GATHER_CHUNK_NUMEL = 1200  # several chunks a run
     comm = CommLog(timeout_s=60)
-    host = Channel(None, rank, world, 4 * 1000, 2, new_token(None), "t") if through_shm else None
+    # slots of 500 fp32 elements: a chunk (600 of a rank's elements, or a 700- or 1000-element shard alone) spans two
+    host = Channel(None, rank, world, 4 * 500, 2, new_token(None), "t") if through_shm else None
     got = {}
 
     def add(param, dtype, flat, shard):
@@ -162,7 +163,8 @@ def test_a_runs_collective_hands_over_each_parameter_gathered(through_shm):
             assert r["got"][key].dtype == tensor.dtype and torch.equal(r["got"][key], tensor), key
         assert r["live"] == sum(t.numel() * t.element_size() for t in expected.values())
         assert r["collectives"] > 3  # several chunks, and a collective per dtype of a run
-        assert r["through_shm"] == (r["collectives"] if through_shm else 0)
+        # through shared memory every collective went through the slots, some of them two slots' worth
+        assert (r["through_shm"] > r["collectives"]) if through_shm else r["through_shm"] == 0, r
 
 
 def test_in_flight_bound_holds_on_the_12_block_gpt():
