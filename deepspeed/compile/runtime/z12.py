@@ -81,14 +81,14 @@ class Z12Runtime:
         self._own_hooks: List = []
         self._take_over_grad_hooks()
         # ZeRO's bucket reductions, counted, and at ZeRO-2 left in flight while backward goes on
-        # ZeRO-2's bucket all-reduces through shared memory where every rank is on this host (compile.host_comm);
-        # ZeRO-1 reduces with ZeRO's own code, through the process group
+        self.flush = BucketFlush(self.optimizer, lambda: self.counters, timeout_s)
+        # the bucket all-reduces the flush starts itself (ZeRO-2's) through shared memory where every rank is on this
+        # host (compile.host_comm); ZeRO's own paths (ZeRO-1's among them) go through the process group
         self.host = open_host_comm(host_comm, self.optimizer.dp_process_group, torch.device(engine.device),
                                    gather_slot_bytes=0, reduce_slot_bytes=REDUCE_SLOT_BYTES) \
-            if stage == 2 else None
+            if self.flush.overlapped else None
         self.host_comm = "gloo" if self.host is None else "shm"
-        self.flush = BucketFlush(self.optimizer, lambda: self.counters, timeout_s,
-                                 host=None if self.host is None else self.host.reduce)
+        self.flush.host = None if self.host is None else self.host.reduce
         self.optimizer.reduce_ipg_grads = self.flush.reduce_ipg_grads
         self.optimizer.setup_buckets = self.flush.setup_buckets
         self.id = registry.register(self)

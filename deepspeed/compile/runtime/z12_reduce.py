@@ -50,13 +50,15 @@ class BucketFlush:
     """ZeRO-2's ``reduce_ipg_grads`` with the collective left in flight (see the module docstring).
     ``counters_of`` returns the runtime's current ``Z12Counters``."""
 
-    def __init__(self, optimizer, counters_of, timeout_s: float = 0.0, host: Optional[Channel] = None):
+    def __init__(self, optimizer, counters_of, timeout_s: float = 0.0):
         self.optimizer = optimizer
         self._zero_reduce = type(optimizer).reduce_ipg_grads.__get__(optimizer)  # ZeRO's own, for its other paths
         self._counters_of = counters_of  # the runtime resets its counters object: always ask for the current one
         self._waits = CommLog(timeout_s)  # its wait: a collective past compile.collective_timeout_s names itself
         self.in_flight: List[_InFlight] = []  # started all-reduces, oldest first
-        self._host = host  # shared-memory slots, where every rank is on this host (compile.host_comm)
+        # shared-memory slots for the collectives, where every rank is on this host (compile.host_comm; set by the
+        # runtime where the flush is overlapped)
+        self.host: Optional[Channel] = None
         self.overlapped = self._can_overlap()
         # (group, ZeRO param id) -> (start, numel) of the part of its gradient in this rank's partition: fixed when
         # ZeRO partitioned its groups, worked out at the first bucket reduced through a cast copy (torch autocast's
@@ -149,8 +151,8 @@ class BucketFlush:
                 bucket.buffer[bucket.index] = torch.empty_like(buffer)
         else:
             flat = tensor.to(dtype)  # the collective in the communication dtype: this rank's slices are cast back
-        if self._host is not None:  # the ranks' sum added in rank order: with 2 ranks gloo's sum bit for bit
-            work = start_sum(self._host, flat.view(1, -1), None)
+        if self.host is not None:  # the ranks' sum added in rank order: with 2 ranks gloo's sum bit for bit
+            work = start_sum(self.host, flat.view(1, -1), None)
         else:
             work = [dist.all_reduce(flat, group=group, async_op=True)]
         slices, later = [], []

@@ -51,7 +51,7 @@ class Plan:
 
 @dataclass
 class _Started:
-    work: object
+    work: object  # the collective's; through shared memory (its members' buffers, the slots' works it fills them by)
     send: Tensor  # kept alive until the collective is done
     recv: Optional[Tensor]  # the rows received (world size x the members' shards); None through shared memory
     members: List[Parameter]
