@@ -112,9 +112,7 @@ class Channel:
         self.bytes = size  # this rank's segment
 
     def start(self, nbytes: int, fill: Callable[[Tensor], None], take: Callable[[List[Tensor]], object]) -> Work:
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"deepspeed-compile: a host collective of {nbytes} bytes exceeds its slot "
-                             f"({self.slot_bytes} bytes)")
+        assert nbytes <= self.slot_bytes, f"a collective of {nbytes} bytes for a slot of {self.slot_bytes}"
         work = Work(self, self._next, nbytes, fill, take)
         self._next += 1
         self._open.append(work)
