@@ -57,14 +57,8 @@ def _gather_per_param(shards: List[torch.Tensor], world: int) -> List[torch.Tens
     return outputs
 
 
-def _wait_all(works) -> None:
-    for work in works:
-        assert work.wait()
-
-
 def _shm_all_gather(channel: Channel, part: torch.Tensor) -> None:
-    _, works = start_gather(channel, [part], torch.float32)
-    _wait_all(works)
+    assert start_gather(channel, [part], torch.float32)[1].wait()
 
 
 def _race(seconds: float, form: str, world: int) -> None:
@@ -131,8 +125,8 @@ def main() -> None:
                  "all_gather": lambda: dist.all_gather_single(bucket, part),
                  "gather_rows": lambda: _gather_rows(shards, world),
                  "gather_per_param": lambda: _gather_per_param(shards, world),
-                 "shm_reduce_scatter": lambda: _wait_all(start_sum(reduce_channel, bucket.view(world, -1), rank)),
-                 "shm_all_reduce": lambda: _wait_all(start_sum(reduce_channel, bucket.view(1, -1), None)),
+                 "shm_reduce_scatter": lambda: start_sum(reduce_channel, bucket.view(world, -1), rank).wait(),
+                 "shm_all_reduce": lambda: start_sum(reduce_channel, bucket.view(1, -1), None).wait(),
                  "shm_all_gather": lambda: _shm_all_gather(gather_channel, part),
                  "copy": lambda: gathered.copy_(bucket)}
         medians = {}

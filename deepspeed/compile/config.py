@@ -83,9 +83,10 @@ class CompileConfig(DeepSpeedConfigModel):
     every graph afresh (inductor's FX-graph cache still applies)."""
     host_comm: Literal["auto", "shm", "gloo"] = "auto"
     """On CPU: how ZeRO-3's all-gathers and gradient reductions and ZeRO-2's bucket all-reduces move between ranks.
-    ``"auto"`` (the default): through shared memory where every rank of the group is on this host (gloo's sockets
-    copy the bytes on the cores that compute), else through the process group. ``"shm"``: shared memory, or an error at set-up saying
-    why not. ``"gloo"``: always the process group (``docs/design.md``, "Collectives through shared memory")."""
+    ``"auto"`` (the default): through shared memory where every rank of the group is on this host (gloo's sockets copy
+    the bytes on the cores that compute), else through the process group. ``"shm"``: shared memory, or an error at
+    set-up saying why not. ``"gloo"``: always the process group (``docs/design.md``, "Collectives through shared
+    memory")."""
     collective_timeout_s: float = Field(default=0.0, ge=0.0)
     """If > 0, a gather or reduce that has not completed after this many seconds raises instead of hanging."""
 

@@ -178,12 +178,13 @@ def defer_reduces_pass(gm: GraphModule) -> GraphModule:
 
 def fuse_matmul_reduces_pass(gm: GraphModule) -> GraphModule:
     """Each reduce whose gradient is a matmul's result as it is, read by nothing else (a linear layer's weight
-    gradient: :func:`nodes.matmul_behind`), becomes one ``reduce_grad_mm``, and the matmul and its views go: the runtime computes the product where the gradient goes (ZeRO-2's reduce bucket) instead of the
-    graph computing it into a buffer of its own that is then copied there, and skips it where autograd does not want
-    the gradient (``ops.reduce_grad_mm``). It takes the matmul's place where no other collective op lies between the
-    two (so its operands are freed as early as before: the matmul is a kernel of its own in every backend), else the
-    reduce's, which keeps the collectives' order; the product is the same kernel's on the same operands. For the
-    final graphs of ZeRO-1/2, after every pass that reads the reduces, before the collectives are chained."""
+    gradient: :func:`nodes.matmul_behind`), becomes one ``reduce_grad_mm``, and the matmul and its views go: the
+    runtime computes the product where the gradient goes (ZeRO-2's reduce bucket) instead of the graph computing it
+    into a buffer of its own that is then copied there, and skips it where autograd does not want the gradient
+    (``ops.reduce_grad_mm``). It takes the matmul's place where no other collective op lies between the two (so its
+    operands are freed as early as before: the matmul is a kernel of its own in every backend), else the reduce's,
+    which keeps the collectives' order; the product is the same kernel's on the same operands. For the final graphs of
+    ZeRO-1/2, after every pass that reads the reduces, before the collectives are chained."""
     graph = gm.graph
     for node in [n for n in graph.nodes if is_reduce(n)]:
         grad = node.args[0]

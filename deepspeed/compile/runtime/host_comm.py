@@ -173,11 +173,12 @@ class Channel:
         return True
 
 
-def start_gather(channel: Channel, shards: List[Tensor], dtype: torch.dtype) -> Tuple[List[Tensor], List[Work]]:
+def start_gather(channel: Channel, shards: List[Tensor], dtype: torch.dtype) -> Tuple[List[Tensor], Work]:
     """Every rank's ``shards`` (1-D, the same widths on every rank) gathered through ``channel``, cast to ``dtype``:
-    a buffer per shard (world size x its width, rank-major, as an all-gather lays it out) and the collectives filling
-    them, a slot's worth of the shards back to back each (a shard wider than a slot spans several). Each is copied
-    into this rank's slot when started (the cast in the same copy) and out of every rank's slot when waited for."""
+    a buffer per shard (world size x its width, rank-major, as an all-gather lays it out) and the last of the
+    collectives filling them, a slot's worth of the shards back to back each (a shard wider than a slot spans
+    several); a channel reads in order, so waiting for the last waits for them all. Each is copied into this rank's
+    slot when started (the cast in the same copy) and out of every rank's slot when read."""
     world, widths = channel.world_size, [shard.numel() for shard in shards]
     outs = [torch.empty(world * width, dtype=dtype, device=shard.device) for shard, width in zip(shards, widths)]
     starts = [0]
@@ -194,7 +195,7 @@ def start_gather(channel: Channel, shards: List[Tensor], dtype: torch.dtype) -> 
                                    lambda slot, pieces=pieces: _fill_pieces(slot.view(dtype), shards, pieces),
                                    lambda rows, pieces=pieces: _take_pieces([row.view(dtype) for row in rows],
                                                                             outs, widths, pieces)))
-    return outs, works
+    return outs, works[-1]
 
 
 def _fill_pieces(slot: Tensor, shards: List[Tensor], pieces) -> None:
@@ -213,11 +214,12 @@ def _take_pieces(rows: List[Tensor], outs: List[Tensor], widths: List[int], piec
         offset += n
 
 
-def start_sum(channel: Channel, columns: Tensor, row: Optional[int]) -> List[Work]:
+def start_sum(channel: Channel, columns: Tensor, row: Optional[int]) -> Work:
     """Every rank's ``columns`` (2-D) summed through ``channel``, chunk by chunk of columns, into ``columns[row]``
     (this rank's row of a ZeRO-3 bucket: a reduce-scatter) or, with ``row`` None, into all of ``columns`` (an
-    all-reduce). Each chunk is written to this rank's slot when started and summed, in rank order, from every rank's
-    slot when waited for; ``columns`` must not change in between."""
+    all-reduce); returns the last chunk's collective, whose wait waits for them all (a channel reads in order). Each
+    chunk is written to this rank's slot when started and summed, in rank order, from every rank's slot when read;
+    ``columns`` must not change in between."""
     height, width = columns.shape
     step = max(1, channel.slot_bytes // (height * columns.element_size()))
     works = []
@@ -227,7 +229,7 @@ def start_sum(channel: Channel, columns: Tensor, row: Optional[int]) -> List[Wor
         works.append(channel.start(chunk.numel() * chunk.element_size(),
                                    lambda slot, chunk=chunk: slot.view(chunk.dtype).view(chunk.shape).copy_(chunk),
                                    lambda slots, chunk=chunk, out=out: _sum(slots, chunk, out, row)))
-    return works
+    return works[-1]
 
 
 def _sum(slots: List[Tensor], chunk: Tensor, out: Tensor, row: Optional[int]) -> None:

@@ -40,7 +40,7 @@ from .host_comm import Channel, start_sum
 
 @dataclass
 class _InFlight:
-    work: List[object]  # its collectives (one, or a chunk each through shared memory)
+    work: object
     flat: Tensor  # the bucket's divided gradients in its communication dtype: the collective's buffer
     slices: List[Tuple[Tensor, int, int]]  # (this rank's part of a gradient in the partition, offset in flat, numel)
     later: List[Tuple[Tensor, int]]  # (parameter, group) whose gradient goes to the partition when reduced in place
@@ -154,7 +154,7 @@ class BucketFlush:
         if self.host is not None:  # the ranks' sum added in rank order: with 2 ranks gloo's sum bit for bit
             work = start_sum(self.host, flat.view(1, -1), None)
         else:
-            work = [dist.all_reduce(flat, group=group, async_op=True)]
+            work = dist.all_reduce(flat, group=group, async_op=True)
         slices, later = [], []
         offset = 0  # of the gradient in the bucket
         for group_idx, param_idx, param_id in bucket.params:
@@ -201,8 +201,7 @@ class BucketFlush:
         self.in_flight = keep
         opt = self.optimizer
         for flight in done:
-            for work in flight.work:
-                self._waits.wait(work, lambda: f"ZeRO-2's gradient all-reduce of {flight.flat.numel()} elements")
+            self._waits.wait(flight.work, lambda: f"ZeRO-2's gradient all-reduce of {flight.flat.numel()} elements")
             for param, group_idx in flight.later:  # in start order: ZeRO lays the partition out as they come
                 opt.copy_grads_in_partition(param, group_idx)
             for dest, offset, numel in flight.slices:

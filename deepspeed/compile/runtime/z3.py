@@ -209,9 +209,8 @@ class Z3Runtime:
 
     def _host_gather(self, shard: Tensor, dtype: torch.dtype) -> Tensor:
         """One parameter gathered through shared memory: cast into this rank's slot, every rank's slot copied out."""
-        (flat, ), works = start_gather(self.host.gather, [shard.reshape(-1)], dtype)
-        for work in works:
-            wait_for(work, self.comm.timeout)
+        (flat, ), work = start_gather(self.host.gather, [shard.reshape(-1)], dtype)
+        wait_for(work, self.comm.timeout)
         return flat
 
     def _copy_held(self, param: Parameter, key: Tuple[int, torch.dtype]) -> Tensor:

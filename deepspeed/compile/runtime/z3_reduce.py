@@ -39,7 +39,7 @@ class _Bucket:
 
 @dataclass
 class _PendingReduce:
-    work: List[object]  # its collectives (one, or a chunk each through shared memory)
+    work: object
     buffer: Tensor  # the bucket buffer it sends from: not reused until the collective is done
     recv: Tensor
     items: List[Tuple[Parameter, int]]
@@ -178,11 +178,11 @@ class GradientReducer:
             recv = send.view(self.world_size, bucket.used)[self._rank]
             work = start_sum(self._host, send.view(self.world_size, bucket.used), self._rank)
         elif self._all_reduce:  # this rank's row of the summed bucket is its partition (module docstring)
-            work = [dist.all_reduce(send, group=self.group, async_op=True)]
+            work = dist.all_reduce(send, group=self.group, async_op=True)
             recv = send.view(self.world_size, bucket.used)[self._rank]
         else:
             recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
-            work = [dist.reduce_scatter_single(recv, send.view(-1), group=self.group, async_op=True)]
+            work = dist.reduce_scatter_single(recv, send.view(-1), group=self.group, async_op=True)
         c = self.comm.counters
         c.reduce_scatter_bytes += send.numel() * send.element_size()
         c.reduce_bytes += send.numel() * send.element_size()
@@ -194,8 +194,7 @@ class GradientReducer:
         while self._pending:
             pending = self._pending.pop(0)
             start = time.perf_counter()
-            for work in pending.work:
-                self.comm.wait(work, lambda: f"a gradient reduce-scatter ({len(pending.items)} parameters)")
+            self.comm.wait(pending.work, lambda: f"a gradient reduce-scatter ({len(pending.items)} parameters)")
             self.comm.done("reduce-scatter", start, pending.issued)
             self._hand_to_optimizer(pending.items, pending.recv)
 

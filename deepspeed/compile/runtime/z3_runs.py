@@ -51,7 +51,7 @@ class Plan:
 
 @dataclass
 class _Started:
-    work: object  # the collective's; through shared memory (its members' buffers, the slots' works it fills them by)
+    work: object
     send: Tensor  # kept alive until the collective is done
     recv: Optional[Tensor]  # the rows received (world size x the members' shards); None through shared memory
     members: List[Parameter]
@@ -59,6 +59,7 @@ class _Started:
     dtype: torch.dtype
     issued: float  # time.perf_counter() when the collective was started
     nbytes: int  # gathered bytes, counted live from the start to the end of the copies out
+    flats: Optional[List[Tensor]] = None  # through shared memory: each member's buffer, filled by the wait
 
 
 class GatherRuns:
@@ -215,9 +216,10 @@ class GatherRuns:
         elif len(shards) == 1:
             joined = shards[0]
         width = sum(widths)
+        flats = None
         if self.host is not None:  # cast into this rank's slot as the shards are joined; read out per parameter
             send = recv = None
-            work = start_gather(self.host, shards, dtype)
+            flats, work = start_gather(self.host, shards, dtype)
         elif self.native_start:  # the op casts into a send buffer of its own: joined shards need no copy first
             send = joined if joined is not None else torch.cat(shards)
             work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.comm.timeout)
@@ -231,28 +233,24 @@ class GatherRuns:
         self.comm.issued("all-gather", members, width)
         nbytes = width * self.world_size * dtype.itemsize
         self.comm.add_live_bytes(nbytes, eager=False)
-        return _Started(work, send, recv, members, states, dtype, time.perf_counter(), nbytes)
+        return _Started(work, send, recv, members, states, dtype, time.perf_counter(), nbytes, flats)
 
     def _finish(self, started: _Started) -> None:
         """Wait for a started all-gather (the exposed part of its time is counted), then hand each parameter's gathered
         buffer over, unclaimed, to wait for its own gather op: a copy of its columns of the received rows (of every
         rank's slot), so that each is released on its own."""
         start = time.perf_counter()
-        if started.recv is None:  # through shared memory: each parameter's buffer, filled by the waits
-            flats, works = started.work
-        else:
-            works = [started.work]
-        for work in works:
-            self.comm.wait(work,
-                           lambda: "the all-gather of parameters " + ", ".join(self._name(p) for p in started.members))
+        self.comm.wait(started.work,
+                       lambda: "the all-gather of parameters " + ", ".join(self._name(p) for p in started.members))
         self.comm.done("all-gather", start, started.issued)
-        if started.recv is not None:  # rows -> one contiguous buffer a parameter (a copy each)
+        flats = started.flats  # through shared memory: filled by the wait
+        if flats is None:  # rows -> one contiguous buffer a parameter (a copy each)
             flats = _columns(started.recv, [param.ds_tensor.numel() for param in started.members])
         for param, shard, flat in zip(started.members, started.shards, flats):
             self._add_gathered(param, started.dtype, flat, shard)
         # the receive buffer is freed here (the copies above were live beside it)
         self.comm.add_live_bytes(-started.nbytes, eager=False)
-        started.send = started.recv = started.work = None
+        started.send = started.recv = started.work = started.flats = None
 
 
 def _columns(rows: Tensor, widths: List[int]) -> List[Tensor]:
