@@ -186,7 +186,7 @@ def start_gather(channel: Channel, shards: List[Tensor], dtype: torch.dtype) -> 
         starts.append(starts[-1] + width)
     step = channel.slot_bytes // dtype.itemsize
     works = []
-    for a in range(0, starts[-1], step):
+    for a in range(0, max(starts[-1], 1), step):  # nothing to gather is one collective too
         b = min(a + step, starts[-1])
         # (shard, from, to) of the shards' elements a..b
         pieces = [(i, max(a, lo) - lo, min(b, hi) - lo) for i, (lo, hi) in enumerate(zip(starts, starts[1:]))
@@ -199,7 +199,8 @@ def start_gather(channel: Channel, shards: List[Tensor], dtype: torch.dtype) -> 
 
 
 def _fill_pieces(slot: Tensor, shards: List[Tensor], pieces) -> None:
-    torch.cat([shards[i][lo:hi] for i, lo, hi in pieces], out=slot)
+    if pieces:
+        torch.cat([shards[i][lo:hi] for i, lo, hi in pieces], out=slot)
 
 
 def _take_pieces(rows: List[Tensor], outs: List[Tensor], widths: List[int], pieces) -> None:
@@ -223,7 +224,7 @@ def start_sum(channel: Channel, columns: Tensor, row: Optional[int]) -> Work:
     height, width = columns.shape
     step = max(1, channel.slot_bytes // (height * columns.element_size()))
     works = []
-    for start in range(0, width, step):
+    for start in range(0, max(width, 1), step):  # an empty bucket too is one collective, as gloo's would be
         chunk = columns[:, start:start + step]
         out = chunk if row is None else chunk[row]
         works.append(channel.start(chunk.numel() * chunk.element_size(),
