@@ -47,6 +47,8 @@ setup(
     name="deepspeed-compile",
     version="0.1.0",
     description="DeepCompile for ZeRO-3 as a drop-in deepspeed.compile module, CPU-testable",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     package_dir={"deepspeed_compile": SRC, "": SRC},
     packages=_subpackages(SRC, "deepspeed_compile"),
