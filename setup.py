@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """deepspeed-compile: a drop-in ``deepspeed.compile`` (DeepCompile for ZeRO-3) for stock DeepSpeed.
 
 The package source lives in ``deepspeed/compile`` and installs as ``deepspeed_compile`` next to DeepSpeed,

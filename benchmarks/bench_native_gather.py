@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Time per fused cast + all-gather: native ``dsc_native::cast_all_gather`` vs the Python implementation.
 
     python benchmarks/bench_native_gather.py                       # 2 CPU ranks (gloo), default sizes

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Time ``fast_free_schedule`` on the forward and backward graphs of a 48-block GPT (target: under 2 s each).
 
 The graphs are the benchmark GPT's (``benchmarks/models.py``) as the pipeline hands them to the scheduler, built

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Make ``deepspeed.compile`` resolve to this checkout's package, installed or not, for the benchmark processes.
 
 Each benchmark script puts the repository root on ``sys.path`` and calls :func:`use_checkout` before anything

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Count all-gather and reduce-scatter bytes issued through ``torch.distributed`` (benchmark processes only).
 
 Every Python-level collective of torch 2.13 (``all_gather_into_tensor``, ``_all_gather_base``,

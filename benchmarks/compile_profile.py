@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where the first step's time goes: dynamo, AOTAutograd, our passes, inductor's lowering, code generation and the
 C++ compile, read from torch's own compile timers (``torch._dynamo.utils.compilation_time_metrics``, which every
 ``dynamo_timed`` phase adds to) and the DeepCompile report's per-pass seconds.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """How fast this machine multiplies matrices in fp32 and in bf16 (one process, no DeepSpeed).
 
     python benchmarks/cpu_matmul.py

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What gloo's collectives cost on this machine for a gradient bucket: its reduce-scatter against an all-reduce of the
 same buffer (what the ZeRO-3 runtime issues instead on gloo, ``runtime/z3_reduce.py``), and an all-gather of the
 same output size. And for a run of parameters gathered in one collective (``runtime/z3_runs.py``), of the same

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The main job: a short real training run of a small Llama with DeepCompile (ZeRO-3) on CPU ranks.
 
     deepspeed --num_accelerators 2 benchmarks/main_job.py --steps 12

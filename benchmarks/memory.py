@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Real tensor-memory measurement of a training step, on CPU as well as on CUDA.
 
 CPU has no allocator statistics, so the live-bytes curve is rebuilt from ``torch.profiler`` memory events

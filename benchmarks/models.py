@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Benchmark models: a small GPT of our own and two randomly initialised ``transformers`` models (no download), a
 Llama and a GPT-2 (tied embeddings, fused QKV ``Conv1D``, learned positions, GELU).
 

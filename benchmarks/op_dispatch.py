@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What calling one of our graph ops costs through the dispatcher, as inductor's generated code calls it: the
 ``custom_op`` each pass sees against its ``dsc::run_*`` twin (``runtime/ops.py``), with the runtime's work taken out.
 And what a small ATen op costs from the eager backend's graph code: through its ``OpOverload``, as FX writes it

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Memory plots of benchmark results (matplotlib, Agg): one timeline per configuration, one bar chart of peaks."""
 import os
 from typing import Any, Dict, List

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Side-by-side benchmark: eager ZeRO-3, ZeRO-3 + torch.compile, DeepCompile (ours, two partitioners), FSDP2.
 
     python benchmarks/run.py                                  # default matrix, small GPT, 2 CPU ranks

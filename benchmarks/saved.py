@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Saved-for-backward bytes of a finished forward, read off the autograd graph (no hooks, no recompiles).
 
 Walks ``loss.grad_fn`` and collects every saved tensor (``_saved_*`` of built-in nodes, ``saved_tensors`` of

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Benchmark rows' steady steps, in one process: the median step and phases, or where backward's time goes.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/steady_step.py \

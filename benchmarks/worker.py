@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One benchmark configuration on the ranks of one launch (torchrun or the deepspeed launcher).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/worker.py \

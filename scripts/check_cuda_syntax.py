@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Compile check of the native op's CUDA-only sources on a machine without CUDA (``g++ -fsyntax-only``).
 
     python scripts/check_cuda_syntax.py            # exit 0: compiles; 1: does not; 3: cannot check here

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Which lines of deepspeed/compile the test suite never runs: the README's test command under coverage.py, with
 # every process measured (pytest, the forkserver that starts the ranks, and each rank, which writes its data before
 # it exits: tests/unit/compile/distributed.py). Not part of CI: it adds a few minutes to the suite. Extra arguments go

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The CUDA path on one NVIDIA GPU: native op build, native vs Python gather, DeepCompile vs eager ZeRO-3, memory.
 
     bash scripts/gpu_check.sh                 # sets up the environment, then runs this

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The CUDA path on a machine with one NVIDIA GPU and a CUDA build of torch (docs/native_op.md, "Running the GPU
 # check"): builds the native op with its CUDA kernel, checks it bitwise against the Python gather, trains the
 # benchmark Llama with DeepCompile against eager ZeRO-3 and measures peak memory (scripts/gpu_check.py).

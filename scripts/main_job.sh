@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The README's main job: set up .venv, train a small Llama with DeepCompile (ZeRO-3) on 2 CPU ranks under the
 # deepspeed launcher, then compare it side by side with eager ZeRO-3 (same model, data, seeds) and plot memory.
 # Extra arguments go to benchmarks/main_job.py (e.g. --steps 20 --backend inductor).

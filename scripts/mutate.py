@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Does any test notice? Apply one exact text replacement to a source file, run pytest, put the file back.
 
     .venv/bin/python scripts/mutate.py deepspeed/compile/runtime/comm.py \

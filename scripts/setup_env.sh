@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Create (or reuse) .venv in the repository and install everything the project needs, from the repo's own files.
 # torch is pinned to the CPU build that lies on these machines; pip must never resolve an unpinned torch.
 set -euo pipefail

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU kernels of dsc_native::cast_all_gather and cast_all_gather_start (schema in dsc_native.cpp): cast the
 // shard into the send buffer, all-gather it through the c10d ProcessGroup (gloo on CPU); wait, or register the
 // work for the caller's wait_tensor.

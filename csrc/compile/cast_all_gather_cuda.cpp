@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA kernel of dsc_native::cast_all_gather (schema in dsc_native.cpp). Compiled only where CUDA
 // exists: the builder adds this file and -DDSC_WITH_CUDA only when torch sees a GPU and CUDA_HOME is set.
 //

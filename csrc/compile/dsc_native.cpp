@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Schema of the dsc_native ops (defined once, here) and the helpers every kernel shares.
 //
 //   cast_all_gather(shard, dtype, group_name, world_size, timeout_ms) -> flat

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared helpers of the deepspeed-compile native ops (namespace dsc_native).
 //
 // The ops are registered with TORCH_LIBRARY (schema in dsc_native.cpp); each device's kernel lives in

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """deepspeed-compile: DeepCompile for ZeRO stage 3, as a drop-in ``deepspeed.compile`` module.
 
 Switched on by ``"compile": {"deepcompile": true}`` in a ZeRO-3 ds_config and ``engine.compile()``. The joint

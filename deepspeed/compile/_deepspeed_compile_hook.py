@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Import-precedence hook that answers for ``deepspeed.compile`` with deepspeed-compile's package.
 
 Installed as the top-level module ``_deepspeed_compile_hook`` and activated at interpreter start by

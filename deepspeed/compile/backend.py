@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Engine adapter (stock ``engine.py`` imports it by name): the stock pass registry and the compile-time view.
 
 The engine registers its stock pass names at start-up and reads ``opt_passes`` to resolve a schedule. This

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Engine adapter (stock ``engine.py`` imports it by name): AutoSP, not implemented."""
 from .engine_state import fall_back
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Engine adapter (stock ``engine.py`` imports it by name, at ``import deepspeed``): support check, the native
 handle the engine initializes, and the backward prologue / epilogue of the engines' runtimes.
 

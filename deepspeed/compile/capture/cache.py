@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """torch's AOTAutograd cache for the inductor backend: keying it on our passes, and what a loaded graph reports.
 
 torch stores a dynamo graph's compiled forward and backward (inductor's code, our ops in it) under a key over the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's activation checkpointing, compiled inside DeepCompile's graphs.
 
 DeepSpeed wraps ``deepspeed.checkpointing.checkpoint`` in ``torch._disable_dynamo`` (a workaround for eager ZeRO-3's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Switch a ZeRO-3 engine's eager machinery off while its graphs gather, release and reduce, and back on.
 
 Off while compiled: ZeRO-3's module fetch/release hooks (they would gather on top of the graph ops and break

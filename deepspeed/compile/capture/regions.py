@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Compile a model block by block (``"compile": {"regions": "blocks"}``): one compiled graph serves every block.
 
 A model's repeated blocks are the members of an ``nn.ModuleList`` that holds two or more modules of one class (a

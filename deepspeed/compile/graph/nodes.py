@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Small analysis helpers over aten-level FX graphs: aliases, downcasts, parameter-derived nodes.
 
 The one vocabulary of the package: a node *aliases* an input when its result shares that input's storage, as the

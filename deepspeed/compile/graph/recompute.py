@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tag pass: before partitioning, mark every parameter alias and downcast ``MUST_RECOMPUTE``.
 
 With these tags the min-cut partitioner can never save a gathered parameter, a view of it, or its autocast

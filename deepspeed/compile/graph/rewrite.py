@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Rewrite passes: place the runtime's gather / release / reduce ops into the graphs.
 
 - :func:`insert_gathers_pass` runs on the dynamo graph, before AOTAutograd: every use of a gathered

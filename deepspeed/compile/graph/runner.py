@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The one generic pass runner: run a list of ``gm -> gm`` passes, time each, lint and recompile."""
 import time
 from typing import Callable, Dict, Sequence, Tuple

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Saved-for-backward report of a partitioned forward graph: bytes kept alive for backward, split into
 parameter-derived (gathered parameters, their aliases and downcasts) and other (activations)."""
 from dataclasses import dataclass

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Native (C++/CUDA) implementations of the runtime's hot ops, with pure-Python twins of the same contract.
 
 ``load_native(mode)`` returns the native ``cast_all_gather`` (its start form is ``cast_all_gather_start``) or None (use ``cast_all_gather_python``); the

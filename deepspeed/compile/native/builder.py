@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed op builder of the ``dsc_native`` ops (``csrc/compile/``): JIT-built with ninja at first use.
 
 ``NativeOpBuilder().load()`` compiles the C++ sources into ``$TORCH_EXTENSIONS_DIR/deepspeed_compile_native/``

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fused cast + all-gather, native (``torch.ops.dsc_native.cast_all_gather``) and pure Python.
 
 Both implement one contract: ``f(shard, dtype, group, world_size, timeout=None) -> flat``, where ``flat`` is a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Pass contracts and schedule validation, the part of DeepSpeed's pass-schedule API the engine calls.
 
 DeepSpeed's engine registers a fixed set of named passes at start-up and validates any

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Engine-facing names for stock optimizer-state offload, which this module does not implement."""
 from .contract import PassContract, not_in_pipeline
 

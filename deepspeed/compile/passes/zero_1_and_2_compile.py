@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Engine-facing names for stock ZeRO-1/2 DeepCompile, which this module does not implement (see init_z1_and_2)."""
 from .contract import PassContract, not_in_pipeline
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Real parameters for whatever runs outside the compiled graphs during a DeepCompile step.
 
 While an engine's compiled forward runs, each ZeRO-3 parameter's ``.data`` is a full-shape stand-in with no real

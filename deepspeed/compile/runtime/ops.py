@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The graph ops of deepspeed-compile: the single entry point to them (``torch.ops.dsc.*``).
 
 Each op carries the id of the runtime that owns it (see ``registry``) and the ``ds_id`` of the parameter the graph

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Lookup from the integer id baked into graph ops to the runtime that owns them.
 
 Graph ops can only carry plain scalars, so each compiled engine's runtime gets an id. The map holds weak

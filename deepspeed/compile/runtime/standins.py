@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Full-shape stand-ins for partitioned ZeRO-3 parameters, so that tracing sees the right shapes.
 
 A partitioned parameter's ``.data`` is an empty tensor. Right before a compiled forward each one gets a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``fast_free_schedule``: reorder a ZeRO-3 graph so gathered parameters are released early and gathered late.
 
 The pass works on the forward and backward graphs alike, after the rewrite has placed ``gather_param`` near

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Static memory plan of a graph in a given node order: what is live at each node, from the graph alone.
 
 Every number here comes from the graph's own tensor metadata (``node.meta["val"]``): no process group, no run.
