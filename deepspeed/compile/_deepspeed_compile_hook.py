@@ -67,8 +67,8 @@ def use_source_checkout(package: str, build_dir: str) -> None:
         os.environ[ENV_VAR] = package
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(build_dir, "torch_extensions"))
-    # inductor's C++ kernels compile in torch's default worker pool: in-process compiles serialized two ranks on the
-    # kernel cache's file locks (both ranks build the same kernels; one waited while the other ran gcc), measured
-    # 1.14x slower on a cold cache (tests/unit/compile/test_eager_access.py's inductor test)
+    # TORCHINDUCTOR_COMPILE_THREADS stays torch's (a worker pool for inductor's C++ kernels): compiled in-process,
+    # two ranks serialized on the kernel cache's file locks (both build the same kernels; one waited while the other
+    # ran gcc; docs/history/2026-12.md)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(build_dir, "inductor_cache"))
     install()

@@ -194,9 +194,9 @@ PLAIN_CALLS = {GATHER: run_gather, RELEASE: run_release, REDUCE: run_reduce, RED
 
 # Each op again, as ``dsc::run_<name>``: the same schema and function, for inductor's final graphs, which call ops
 # through the dispatcher. ``custom_op`` wraps an op in the layers tracing needs (an autograd kernel, default
-# filling, an aliasing check of the outputs, dynamo's disable), each in Python: 20-60 us a call on this project's
-# CPU machines against 3-8 us for the same function registered with ``torch.library.Library``, whose autograd and
-# version-counter handling are the dispatcher's C++ fallbacks (``python benchmarks/op_dispatch.py``); a ZeRO-3
+# filling, an aliasing check of the outputs, dynamo's disable), each in Python: several times the cost of a call
+# to the same function registered with ``torch.library.Library``, whose autograd and version-counter handling are
+# the dispatcher's C++ fallbacks (``python benchmarks/op_dispatch.py``; figures in docs/benchmarks.md); a ZeRO-3
 # step calls several hundred. The twins go into a graph only after our last pass (``GraphCompiler._finish``):
 # nothing traces or differentiates it after that, and inductor reads the same schema (mutated arguments included)
 # as from the op each replaces, so it orders and keeps them as it did those.
