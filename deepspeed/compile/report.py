@@ -47,7 +47,11 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         report["grads_in_bucket"] = c.grads_in_bucket  # of those, computed in ZeRO-2's bucket: no copy into it
     else:
         report.update({
-            "gather_path": runtime.gather_path,
+            # the path the graphs' all-gathers took (several joined by "+"; None before any): "shm" (compile.host_comm),
+            # "native" (the native op) or "python"; what compile.native_op loaded is gather_op_loaded
+            "gather_path": "+".join(sorted(runtime.gather_paths)) or None,
+            "gather_collectives_by_path": dict(runtime.gather_paths),
+            "gather_op_loaded": runtime.gather_op,
             "gather_seconds": c.gather_seconds,
             "runs_started_ahead": c.runs_started_ahead,
             "unclaimed_gathers": c.unclaimed_gathers,  # prefetched and never used (wasted collective bytes)

@@ -69,7 +69,8 @@ class GatherRuns:
 
     def __init__(self, params: Dict[int, Parameter], names: Dict[int, str], *, group, world_size: int,
                  device: torch.device, shards_offloaded: bool, native_start: bool, prefetch_across_graphs: bool,
-                 comm: CommLog, host: Optional[Channel], is_gathered: Callable[[Tuple[int, torch.dtype]], bool],
+                 comm: CommLog, paths: Dict[str, int], host: Optional[Channel],
+                 is_gathered: Callable[[Tuple[int, torch.dtype]], bool],
                  add_gathered: Callable[[Parameter, torch.dtype, Tensor, Tuple[int, int]], None],
                  name: Callable[[Parameter], str]):
         self.params, self._names = params, names
@@ -82,6 +83,7 @@ class GatherRuns:
         self.native_start = native_start
         self.prefetch_across_graphs = prefetch_across_graphs
         self.comm = comm
+        self.paths = paths  # the runtime's count of all-gather collectives by path (Z3Runtime.gather_paths)
         self.host = host  # shared-memory slots for the runs' collectives, where every rank is on this host
         self._is_gathered, self._add_gathered, self._name = is_gathered, add_gathered, name
         # the runs the graphs have started, by their ``plan`` text, in first-use order (decoded once)
@@ -218,18 +220,20 @@ class GatherRuns:
         width = sum(widths)
         flats = None
         if self.host is not None:  # cast into this rank's slot as the shards are joined; read out per parameter
-            send = recv = None
+            path, send, recv = "shm", None, None
             flats, work = start_gather(self.host, shards, dtype)
         elif self.native_start:  # the op casts into a send buffer of its own: joined shards need no copy first
-            send = joined if joined is not None else torch.cat(shards)
+            path, send = "native", joined if joined is not None else torch.cat(shards)
             work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.comm.timeout)
             recv = work.flat.view(self.world_size, -1)
         else:  # not gloo's coalesced form into each parameter's buffer: it corrupts the heap (module docstring)
+            path = "python"
             send = torch.empty(sum(s.numel() for s in shards), dtype=dtype, device=shards[0].device)
             torch.cat(shards, out=send)  # the cast, before sending, in the same copy
             recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
             work = dist.all_gather_single(recv.view(-1), send, group=self.group, async_op=True)
         self.comm.counters.allgather_collectives += 1
+        self.paths[path] = self.paths.get(path, 0) + 1
         self.comm.issued("all-gather", members, width)
         nbytes = width * self.world_size * dtype.itemsize
         self.comm.add_live_bytes(nbytes, eager=False)

@@ -94,6 +94,7 @@ def _rank_gather_runs(through_shm: bool) -> Dict:
     # slots of 500 fp32 elements: a chunk (600 of a rank's elements, or a 700- or 1000-element shard alone) spans two
     host = Channel(None, rank, world, 4 * 500, 2, new_token(None), "t") if through_shm else None
     got = {}
+    paths = {}  # collectives by the path they took
 
     def add(param, dtype, flat, shard):
         got[(param.ds_id, dtype)] = flat.clone()
@@ -101,13 +102,14 @@ def _rank_gather_runs(through_shm: bool) -> Dict:
 
     runs = z3_runs.GatherRuns(params, {i: f"p{i}" for i in params}, group=None, world_size=world,
                               device=torch.device("cpu"), shards_offloaded=False, native_start=False,
-                              prefetch_across_graphs=False, comm=comm, host=host, is_gathered=lambda key: key in got,
-                              add_gathered=add, name=lambda p: f"p{p.ds_id}")
+                              prefetch_across_graphs=False, comm=comm, paths=paths, host=host,
+                              is_gathered=lambda key: key in got, add_gathered=add, name=lambda p: f"p{p.ds_id}")
     runs.run(encode_plan(first, second), 0, params[0])  # gathers the first run, starts the second
     started_ahead = runs.has_inflight
     runs.finish_inflight()
     out = {"got": got, "live": comm.counters.live_gathered_bytes, "started_ahead": started_ahead,
-           "collectives": comm.counters.allgather_collectives, "through_shm": 0 if host is None else host._next}
+           "collectives": comm.counters.allgather_collectives, "through_shm": 0 if host is None else host._next,
+           "paths": paths}
     out["expected"] = {(ds_id, dtype or torch.float32): torch.cat([shard(ds_id, r) for r in range(world)]).to(dtype or torch.float32)
                        for ds_id, dtype in first + second}
     return out
@@ -165,6 +167,7 @@ def test_a_runs_collective_hands_over_each_parameter_gathered(through_shm):
         assert r["collectives"] > 3  # several chunks, and a collective per dtype of a run
         # through shared memory every collective went through the slots, some of them two slots' worth
         assert (r["through_shm"] > r["collectives"]) if through_shm else r["through_shm"] == 0, r
+        assert r["paths"] == {"shm" if through_shm else "python": r["collectives"]}, r["paths"]
 
 
 def test_in_flight_bound_holds_on_the_12_block_gpt():

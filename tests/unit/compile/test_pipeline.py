@@ -251,28 +251,61 @@ def test_failed_backward_compile_is_a_clear_error_then_eager_zero3():
         assert losses == eager_losses
 
 
+def _ops_ran(fn):
+    """``fn()``'s result and how many times each op ran in it, as torch's profiler names them (a spy that patches
+    nothing): the native gather is ``dsc_native::cast_all_gather``, a gather from Python ``c10d::_allgather_base_``,
+    one through shared memory neither. An exception ``fn`` raises is returned in place of its result."""
+    from collections import Counter
+    from torch.profiler import ProfilerActivity, profile
+    result = None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001  (the caller checks what it is)
+            result = err
+    return result, Counter(event.name for event in prof.events())
+
+
 def _native_vs_python():
-    from deepspeed.compile.report import engine_report
+    from deepspeed.compile.native.gather import OP_NAME
+    from deepspeed.compile.report import engine_report, reset_counters
     from models import ds_config
     from training import make_engine, train
     out = {}
     for mode in ("native", "python"):
-        engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": mode}, "autocast"))
-        losses = train(engine, "gpt", 4, compile_kwargs={"backend": "eager"})
+        # on the process group: through shared memory (host_comm "auto" on one host) neither function would run
+        engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": mode, "host_comm": "gloo"},
+                                              "autocast"))
+        losses = train(engine, "gpt", 3, compile_kwargs={"backend": "eager"})
+        reset_counters(engine)  # the last step's counters, beside the ops the profiler saw run in it
+        last, ran = _ops_ran(lambda: train(engine, "gpt", 1, first_step=3))
         report = engine_report(engine)
-        out[mode] = (losses, report["gather_path"], report["gather_seconds"], report["gathers"],
-                     report["allgather_bytes_by_dtype"])
+        out[mode] = {"losses": losses + last, "ran": {"native": ran[OP_NAME], "c10d": ran["c10d::_allgather_base_"]},
+                     **{key: report[key] for key in ("gather_path", "gather_collectives_by_path", "gather_op_loaded",
+                                                     "gather_seconds", "gathers", "allgather_collectives",
+                                                     "allgather_bytes_by_dtype", "host_comm")}}
         engine.destroy()
     return out
 
 
 def test_native_gather_trains_like_python_gather():
+    """The native op and the Python gather, each on the process group, train alike; each ran (the profiler counted
+    its op once per collective of the step) and ``engine_report`` names the path that ran."""
     for out in run_distributed(_native_vs_python):
-        assert out["native"][1] == "native" and out["python"][1] == "python"
-        assert out["native"][0] == out["python"][0], "native and Python gathers gave different losses"
-        assert out["native"][3] == out["python"][3] and out["native"][4] == out["python"][4]
-        print(f"time in gather ops over 4 steps, native / python: {out['native'][2]:.4f} s / {out['python'][2]:.4f} s "
-              f"= {out['native'][2] / out['python'][2]:.2f}")
+        native, python = out["native"], out["python"]
+        for mode, r in out.items():
+            assert r["host_comm"] == "gloo" and r["gather_op_loaded"] == mode, r
+            assert r["allgather_collectives"] > 0 and r["gather_path"] == mode, r
+            assert r["gather_collectives_by_path"] == {mode: r["allgather_collectives"]}, r
+        # every collective of the step ran the native op; none did with the Python gather, which gloo ran instead
+        assert native["ran"]["native"] == native["allgather_collectives"], native
+        assert python["ran"]["native"] == 0 and python["ran"]["c10d"] >= python["allgather_collectives"], python
+        assert native["losses"] == python["losses"], "native and Python gathers gave different losses"
+        assert native["gathers"] == python["gathers"]
+        assert native["allgather_bytes_by_dtype"] == python["allgather_bytes_by_dtype"]
+        assert native["allgather_bytes_by_dtype"]["torch.bfloat16"] > 0  # the fused cast ran in both
+        print(f"time in gather ops over a step, native / python: {native['gather_seconds']:.4f} s / "
+              f"{python['gather_seconds']:.4f} s = {native['gather_seconds'] / python['gather_seconds']:.2f}")
 
 
 def _collective_orders(backend):
@@ -321,7 +354,10 @@ def _gather_timeout(native_op, flag, prefetch_bucket=0):
     import torch.distributed as dist
     from models import ds_config, make_batch
     from training import make_engine, train
-    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": native_op,
+    from deepspeed.compile.native.gather import OP_NAME
+    from deepspeed.compile.report import engine_report
+    # on the process group, the path under test (shared memory's own wait is test_host_comm.py's)
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": native_op, "host_comm": "gloo",
                                               "collective_timeout_s": 2},
                                           zero_overrides={"stage3_prefetch_bucket_size": prefetch_bucket}))
     engine.compile(backend="eager")
@@ -330,6 +366,7 @@ def _gather_timeout(native_op, flag, prefetch_bucket=0):
     comm = runtime_of(engine).comm
     configured, comm.timeout = comm.timeout, datetime.timedelta(seconds=60)
     train(engine, "gpt", 1)  # compiled on both ranks
+    paths = engine_report(engine)["gather_collectives_by_path"]
     comm.timeout = configured
     assert configured == datetime.timedelta(seconds=2), configured
     dist.barrier()
@@ -341,13 +378,13 @@ def _gather_timeout(native_op, flag, prefetch_bucket=0):
         return None
     start = time.perf_counter()
     try:
-        engine(*make_batch("gpt", 1, 0))
-        message = None
-    except TimeoutError as err:
-        message = str(err)
+        raised, ran = _ops_ran(lambda: engine(*make_batch("gpt", 1, 0)))
     finally:
         open(flag, "w").close()
-    return message, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if not isinstance(raised, TimeoutError):
+        raise AssertionError(f"expected a TimeoutError, got {raised!r}")
+    return str(raised), seconds, paths, {"native": ran[OP_NAME], "c10d": ran["c10d::_allgather_base_"]}
 
 
 @pytest.mark.parametrize("native_op, prefetch_bucket", [("python", 0), ("native", 0), ("python", 20000)])
@@ -357,9 +394,14 @@ def test_collective_timeout_names_the_gather(native_op, prefetch_bucket, tmp_pat
     of a lone gather, and for a run of gathers coalesced into one collective (a 20000-element prefetch bucket), which
     the runtime waits for apart from the gather op (``CommLog.wait``: without the bound there, rank 0 waited until
     rank 1 gave up 20 s later and gloo raised "Connection closed by peer")."""
-    message, seconds = run_distributed(_gather_timeout, native_op, str(tmp_path / "done"), prefetch_bucket,
-                                       collective_timeout_s=60)[0]
-    assert message is not None and "collective_timeout_s" in message, message
+    message, seconds, paths, ran = run_distributed(_gather_timeout, native_op, str(tmp_path / "done"), prefetch_bucket,
+                                                   collective_timeout_s=60)[0]
+    # the first step's gathers took the path under test (a run goes through Python on CPU: the native op takes one
+    # shard), and so did the one that timed out: the profiler saw its op start
+    path = "python" if prefetch_bucket else native_op
+    assert set(paths) == {path}, paths
+    assert (ran["native"] > 0) == (path == "native") and ran["c10d"] > 0, ran
+    assert "collective_timeout_s" in message, message
     # a run names its parameters, a lone gather its one
     assert ("all-gather of parameters 'tok.weight'" if prefetch_bucket else "all-gather of parameter 'tok.weight'") \
         in message, message
