@@ -87,8 +87,15 @@ class CompileConfig(DeepSpeedConfigModel):
     the bytes on the cores that compute), else through the process group. ``"shm"``: shared memory, or an error at
     set-up saying why not. ``"gloo"``: always the process group (``docs/design.md``, "Collectives through shared
     memory")."""
+    host_comm_dir: str = "/dev/shm"
+    """Where ``host_comm`` creates its segments (one file a rank, unlinked once every rank has mapped every segment):
+    a directory on a memory-backed file system (tmpfs) that every rank of the host sees as the same directory. Where
+    it has too little free space, is not writable, or is not shared between the ranks, ``"auto"`` goes through the
+    process group with one warning saying why, and ``"shm"`` fails at set-up."""
     collective_timeout_s: float = Field(default=0.0, ge=0.0)
-    """If > 0, a gather or reduce that has not completed after this many seconds raises instead of hanging."""
+    """If > 0, a gather or reduce that has not completed after this many seconds raises instead of hanging; 0: the
+    process group's own timeout (``deepspeed.init_distributed(timeout=...)``, 30 minutes by default). Through shared
+    memory a peer whose process is gone, or that stopped with an error, ends the wait within a second either way."""
 
 
 # Stock options this module does not implement, with what happens when they are set.

@@ -183,7 +183,16 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
     def on_failure(err: BaseException) -> None:
         logger.error(f"deepspeed-compile: compiling a graph failed ({type(err).__name__}: {err}); the engine "
                      f"runs uncompiled eager ZeRO-{stage} from the next step on (engine.compile() tries again)")
+        # the other ranks must not go on with the graphs either: they stop at their next collective, naming this rank
+        # and the cause, and fall back as this one does (on_peer_failure), so the ranks stay on one path
+        runtime.post_failure(f"compiling a graph failed ({type(err).__name__}: {err}); it runs uncompiled eager "
+                             f"ZeRO-{stage} from the next step on")
         deactivate(engine, uncompile=True)
+
+    if runtime.host is not None:
+        runtime.host.on_peer_failure = lambda message: deactivate(engine, uncompile=True)
+    # the engine calls this when DeepCompile is switched off and at destroy: the runtime's segments go then
+    engine._deepcompile_dynamo_config_restore = runtime.close
 
     compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config)
     ds_checkpointing.install()
@@ -266,7 +275,7 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
     runtime = Z3Runtime(engine, timeout_s=compile_config.collective_timeout_s, free_on_release=backend == "eager",
                         native_op=compile_config.native_op,
                         prefetch_across_graphs=compile_config.regions == "blocks",
-                        host_comm=compile_config.host_comm)
+                        host_comm=compile_config.host_comm, host_comm_dir=compile_config.host_comm_dir)
     eager_hooks.switch_off(engine)
     return _activate(engine, runtime, 3, backend, compile_config, inductor_config, compile_kwargs)
 
@@ -281,7 +290,7 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
     _check_regions(engine, compile_config)
     from .runtime.z12 import Z12Runtime
     runtime = Z12Runtime(engine, stage=stage, timeout_s=compile_config.collective_timeout_s,
-                         host_comm=compile_config.host_comm)
+                         host_comm=compile_config.host_comm, host_comm_dir=compile_config.host_comm_dir)
     return _activate(engine, runtime, stage, backend, compile_config, inductor_config, compile_kwargs)
 
 

@@ -1,31 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
 """Collectives between the ranks of one host through shared memory (``compile.host_comm``).
 
-gloo moves a collective's bytes through loopback sockets, copied by the kernel on the same cores the ranks compute on:
-on 2 CPU ranks it takes about 9 ms to all-gather 16 MiB that one copy moves in 1.5 ms
-(``benchmarks/gloo_collectives.py``). When every rank of the group is on this host, the ZeRO-3 runtime's
+gloo moves a collective's bytes through loopback sockets, copied by the kernel on the same cores the ranks compute on
+(``benchmarks/gloo_collectives.py`` times both). When every rank of the group is on this host, the ZeRO-3 runtime's
 all-gathers and gradient reductions, and ZeRO-2's bucket all-reduces, go through shared memory instead: each rank
 copies what it sends into a slot of its own segment, and every rank reads every rank's slot straight into where the
-result goes.
+result goes. ``docs/design.md`` ("Collectives through shared memory") states what the transport guarantees and costs.
 
-A :class:`Channel` has ``slots`` slots per rank; its collective number ``n`` uses slot ``n % slots``. Each rank's
-header holds, per slot, ``published`` (the collective whose data the slot holds) and ``consumed`` (the last collective
-this rank has read out of every rank's slot). A rank writes its slot for ``n`` once every other rank has consumed
-``n - slots`` there, and reads ``n`` once every rank has published it. Every rank starts the same collectives in the
-same order (the runtime's contract for any transport), and a rank that needs a slot first reads the collectives before
-it that it has not read yet, so the oldest collective can always complete: nothing waits on a later one, and a wait
-past its timeout raises ``TimeoutError``.
+**Set-up is one step the ranks agree on** (:func:`open_host_comm`). Each rank creates its segment (a file in
+``compile.host_comm_dir``, ``/dev/shm`` by default) with its space reserved for real (``posix_fallocate``: a full or
+small ``/dev/shm`` is an error here, not a SIGBUS at a later first write), writes a token into it and locks it; the
+ranks agree (one collective) that every segment exists; every rank maps every peer's segment and checks its token
+(ranks that share a host name but not ``/dev/shm`` find no segment, or another one); the ranks agree again; only then
+are the files unlinked. Any failure on any rank: every rank unmaps and unlinks what it made, then ``"auto"`` goes on
+with the process group (one warning naming the option and the reason) and ``"shm"`` raises ``ValueError``.
+:meth:`HostComm.close` (the engine's destroy) and process exit release the segments.
+
+**The protocol.** A :class:`Channel` has ``slots`` slots per rank; its collective number ``n`` uses slot
+``n % slots``. Each rank's header holds, per slot, ``published`` (the collective whose data the slot holds), what that
+collective is (bytes, kind, dtype, an identifier), and ``consumed`` (the last collective this rank has read out of
+every rank's slot), both as ``n + 1`` (a new segment is zeros: nothing published or read). A rank writes its slot for ``n`` once every other rank has consumed ``n - slots`` there, and reads
+``n`` once every rank has published it; a rank whose collective ``n`` differs from a peer's raises an error naming
+both. Every rank starts the same collectives in the same order (the runtime's contract for any transport), and a rank
+that needs a slot first reads the collectives before it that it has not read yet, so the oldest collective of a channel
+can always complete. A wait on one channel also moves every other channel of the runtime as far as it can without
+waiting, so ranks that wait on the channels in different orders complete too.
+
+**Waits are bounded.** A wait spins briefly, then yields its core, then sleeps in growing steps, and every tenth of a
+second checks its peers: a peer whose process is gone (its segment lock released by the kernel), that closed its
+segments, or that posted a failure (:meth:`HostComm.post_failure`) ends the wait with a :class:`HostCommError` naming
+the rank. Past the timeout (``compile.collective_timeout_s``, else the process group's own) a wait gives up.
 
 The flags are 8-byte aligned words written and read by single loads and stores with the data copies finished before
 (a copy's worker threads are joined first); x86-64's store order makes a peer that sees a flag see the data written
 before it. Other architectures need fences this module does not have, so ``"auto"`` uses it on x86-64 only.
 """
 import datetime
+import errno
+import fcntl
+import logging
 import mmap
 import os
 import platform
 import secrets
 import socket
 import time
+import weakref
 from collections import deque
 from typing import Callable, Deque, List, Optional, Tuple
 
@@ -34,123 +54,155 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+log = logging.getLogger(__name__)
+
 HOST_COMM_MODES = ("auto", "shm", "gloo")
-# a reduce slot: a chunk of a gradient bucket reduced at once (a gather slot holds a rank's share of a run's chunk,
-# z3.py); 4 of them and 8 gather slots make this rank's segments 16 + 16 MiB at 2 ranks
+DEFAULT_DIR = "/dev/shm"
+# the largest chunk of a gradient bucket reduced at once; smaller where the model's gradients are
 REDUCE_SLOT_BYTES = 4 << 20
+GATHER_SLOTS, REDUCE_SLOTS = 8, 4
 _ALIGN = 64
-# every page mapped at set-up, not faulted in at a slot's first use
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _PAGE = 4096
-# a wait with no timeout of its own (compile.collective_timeout_s 0) gives up after torch.distributed's default
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # page tables filled at set-up
+# a wait with no timeout of its own and a process group whose timeout cannot be read: torch.distributed's default
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+# a wait: this many polls on the core, then yielding it for this long, then sleeps from the first to the last length
+_SPINS, _YIELD_S, _SLEEP_S = 100, 0.002, (50e-6, 1e-3)
+_CHECK_PEERS_S = 0.1  # how often a wait past its spins looks at its peers' liveness and state
+
+# the control page at the start of every segment: int64 words, then the failure message a rank posts
+_TOKEN, _RANK, _STATE, _MESSAGE_LEN = range(4)
+_MESSAGE_AT, _MESSAGE_MAX = 64, 2048
+_OPEN, _CLOSED, _FAILED = 0, 1, 2
+# what a slot's collective is: its kind, and the dtype it carries (an index of _DTYPES)
+KIND_RAW, KIND_GATHER, KIND_REDUCE_SCATTER, KIND_ALL_REDUCE = range(4)
+_KIND_NAMES = ("collective", "all-gather", "reduce-scatter", "all-reduce")
+_DTYPES = (torch.uint8, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64)
+# per slot, in a channel's header: published, consumed, bytes, kind, dtype, identifier
+_FIELDS = 6
 
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+class HostCommError(RuntimeError):
+    """A collective through shared memory cannot complete: a peer is gone, closed its segments or failed, or the ranks
+    started different collectives."""
+
+
+def _describe(nbytes: int, kind: int, dtype: int, ident: int) -> str:
+    kind_name = _KIND_NAMES[kind] if 0 <= kind < len(_KIND_NAMES) else f"kind {kind}"
+    dtype_name = str(_DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(_DTYPES) else f"dtype {dtype}"
+    what = f" (id {ident})" if ident >= 0 else ""
+    return f"{kind_name} of {nbytes} bytes of {dtype_name}{what}"
+
+
 class Work:
     """A collective of a :class:`Channel`, started; ``wait(timeout)`` returns False past ``timeout`` (a
     ``datetime.timedelta``; None: the default), else True with ``result`` set."""
-    __slots__ = ("channel", "seq", "nbytes", "fill", "take", "published", "done", "result")
+    __slots__ = ("channel", "seq", "nbytes", "what", "fill", "take", "published", "done", "result")
 
-    def __init__(self, channel: "Channel", seq: int, nbytes: int, fill: Callable[[Tensor], None],
-                 take: Callable[[List[Tensor]], object]):
-        self.channel, self.seq, self.nbytes, self.fill, self.take = channel, seq, nbytes, fill, take
+    def __init__(self, channel: "Channel", seq: int, nbytes: int, what: Tuple[int, int, int],
+                 fill: Callable[[Tensor], None], take: Callable[[List[Tensor]], object]):
+        self.channel, self.seq, self.nbytes, self.what, self.fill, self.take = channel, seq, nbytes, what, fill, take
         self.published = self.done = False
         self.result = None
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if timeout is not None:
             return self.channel._wait(self, timeout)
-        if not self.channel._wait(self, _DEFAULT_TIMEOUT):  # as torch.distributed's own default, a clear error
-            raise TimeoutError(f"a collective through shared memory (compile.host_comm) did not complete within "
-                               f"{_DEFAULT_TIMEOUT}: a rank did not join it")
+        timeout = self.channel.host.timeout
+        if not self.channel._wait(self, timeout):  # as torch.distributed's own wait, a clear error
+            raise TimeoutError(f"{self.channel.name(self)} did not complete within {timeout} (the process group's "
+                               "timeout): a rank did not join it")
         return True
 
 
 class Channel:
-    """One kind of collective between the ranks of a host: ``start(nbytes, fill, take)`` has ``fill`` write this
-    rank's ``nbytes`` into its slot (a uint8 tensor), and when every rank has, ``take`` read all ranks' slots (one
-    uint8 tensor of ``nbytes`` per rank, in rank order) into the work's result. A slot is only valid inside ``take``."""
+    """One kind of collective between the ranks of a host, in ``slots`` slots of ``slot_bytes`` per rank:
+    ``start(nbytes, fill, take)`` has ``fill`` write this rank's ``nbytes`` into its slot (a uint8 tensor), and when
+    every rank has, ``take`` read all ranks' slots (one uint8 tensor of ``nbytes`` per rank, in rank order) into the
+    work's result. A slot is only valid inside ``take``. Made by :class:`HostComm`, in each rank's segment at
+    ``offset``."""
 
-    def __init__(self, group, rank: int, world_size: int, slot_bytes: int, slots: int, token: str, name: str):
-        self.rank, self.world_size, self.slots = rank, world_size, slots
-        self.slot_bytes = _round_up(max(slot_bytes, _ALIGN), _ALIGN)
-        header = _round_up(2 * slots * 8, _PAGE)
-        size = header + slots * self.slot_bytes
-        paths = [f"/dev/shm/dsc_{token}_{name}_{r}" for r in range(world_size)]
-        fd = os.open(paths[rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mine = mmap.mmap(fd, size, flags=_MAP_FLAGS)
-        finally:
-            os.close(fd)
-        np.frombuffer(mine, dtype=np.int64, count=2 * slots)[:] = -1
-        dist.barrier(group=group)  # every rank's segment exists, its flags cleared
-        self._maps: List[mmap.mmap] = []
-        for r, path in enumerate(paths):
-            if r == rank:
-                self._maps.append(mine)
-                continue
-            fd = os.open(path, os.O_RDWR)
-            try:
-                self._maps.append(mmap.mmap(fd, size, flags=_MAP_FLAGS))
-            finally:
-                os.close(fd)
-        dist.barrier(group=group)  # every rank has mapped every segment: the names can go
-        os.unlink(paths[rank])
-        # per rank: published[slot], consumed[slot]; and the slots' bytes
-        self._published = [np.frombuffer(m, dtype=np.int64, count=slots) for m in self._maps]
-        self._consumed = [np.frombuffer(m, dtype=np.int64, count=slots, offset=slots * 8) for m in self._maps]
-        self._data = [torch.frombuffer(m, dtype=torch.uint8, offset=header).view(slots, self.slot_bytes)
-                      for m in self._maps]
-        self._others = [r for r in range(world_size) if r != rank]
+    def __init__(self, host: "HostComm", label: str, maps: List[mmap.mmap], offset: int, slot_bytes: int, slots: int):
+        self.host, self.label, self.slots, self.slot_bytes = host, label, slots, slot_bytes
+        self.rank, self.world_size = host.rank, host.world_size
+        header = channel_header_bytes(slots)
+        self._meta = [np.frombuffer(m, dtype=np.int64, count=_FIELDS * slots, offset=offset).reshape(_FIELDS, slots)
+                      for m in maps]
+        self._published = [meta[0] for meta in self._meta]
+        self._consumed = [meta[1] for meta in self._meta]
+        self._data = [torch.frombuffer(m, dtype=torch.uint8, offset=offset + header,
+                                       count=slots * slot_bytes).view(slots, slot_bytes) for m in maps]
+        self._others = [r for r in range(self.world_size) if r != self.rank]
         self._next = 0
         self._open: Deque[Work] = deque()  # started and not yet read, oldest first
-        self.bytes = size  # this rank's segment
 
-    def start(self, nbytes: int, fill: Callable[[Tensor], None], take: Callable[[List[Tensor]], object]) -> Work:
+    def start(self, nbytes: int, fill: Callable[[Tensor], None], take: Callable[[List[Tensor]], object],
+              kind: int = KIND_RAW, dtype: torch.dtype = torch.uint8, ident: int = -1) -> Work:
+        """``kind``, ``dtype`` and ``ident`` say what the collective is: a peer that starts another one in its place
+        is an error naming both."""
         assert nbytes <= self.slot_bytes, f"a collective of {nbytes} bytes for a slot of {self.slot_bytes}"
-        work = Work(self, self._next, nbytes, fill, take)
+        work = Work(self, self._next, nbytes, (kind, _DTYPES.index(dtype) if dtype in _DTYPES else -1, ident),
+                    fill, take)
         self._next += 1
         self._open.append(work)
-        # published now where the protocol allows it without waiting (in order, the slot free, nothing older than
-        # the slot's last collective left to read here), else by the first wait that needs it
-        if (len(self._open) == 1 or self._open[-2].published) and self._open[0].seq > work.seq - self.slots \
-                and self._slot_free(work.seq):
-            self._publish(work)
+        self.progress()  # published now where the protocol allows it without waiting, else by a later wait
         return work
 
+    def name(self, work: Work) -> str:
+        return f"the {_describe(work.nbytes, *work.what)} (collective #{work.seq} of the shared-memory " \
+               f"{self.label} channel, compile.host_comm)"
+
     # ----- the protocol ------------------------------------------------------------------------------------
-    def _slot_free(self, seq: int) -> bool:
-        s, old = seq % self.slots, seq - self.slots
-        return old < 0 or all(self._consumed[r][s] >= old for r in self._others)
+    def _can_publish(self, work: Work) -> bool:
+        """In order, nothing older than the slot's last collective left to read here, and the slot free."""
+        s, old = work.seq % self.slots, work.seq - self.slots
+        return self._open[0].seq > old and (old < 0 or all(self._consumed[r][s] > old for r in self._others))
 
     def _publish(self, work: Work) -> None:
         s = work.seq % self.slots
         work.fill(self._data[self.rank][s, :work.nbytes])
         work.fill = None
-        self._published[self.rank][s] = work.seq
+        meta = self._meta[self.rank]
+        meta[2, s], (meta[3, s], meta[4, s], meta[5, s]) = work.nbytes, work.what
+        self._published[self.rank][s] = work.seq + 1  # last: a peer that sees it sees the data and what it is
         work.published = True
+
+    def _all_published(self, work: Work) -> bool:
+        s = work.seq % self.slots
+        return all(self._published[r][s] == work.seq + 1 for r in self._others)
 
     def _read(self, work: Work) -> None:
         s = work.seq % self.slots
+        mine = (work.nbytes, *work.what)
+        for r in self._others:
+            theirs = tuple(int(v) for v in self._meta[r][2:, s])
+            if theirs != mine:
+                raise self.host.fail(HostCommError(
+                    f"deepspeed-compile: the ranks started different collectives through shared memory "
+                    f"(compile.host_comm): as collective #{work.seq} of the {self.label} channel, rank {self.rank} "
+                    f"started the {_describe(*mine)} and rank {r} the {_describe(*theirs)}. Every rank must issue the "
+                    "same collectives in the same order: the ranks went down different paths"))
         work.result = work.take([self._data[r][s, :work.nbytes] for r in range(self.world_size)])
         work.take = None
-        self._consumed[self.rank][s] = work.seq
+        self._consumed[self.rank][s] = work.seq + 1
         work.done = True
 
-    def _spin(self, ready: Callable[[], bool], deadline: float) -> bool:
-        tries = 0
-        while not ready():
-            tries += 1
-            if tries > 100:
-                os.sched_yield()  # the other ranks may need this core to get here
-                if tries % 1000 == 0 and time.monotonic() > deadline:
-                    return False
-        return True
+    def progress(self) -> None:
+        """Publish and read what can be without waiting, in order."""
+        while self._open:
+            unpublished = next((w for w in self._open if not w.published), None)
+            if unpublished is not None and self._can_publish(unpublished):
+                self._publish(unpublished)
+                continue
+            oldest = self._open[0]
+            if not (oldest.published and self._all_published(oldest)):
+                return
+            self._read(oldest)
+            self._open.popleft()
 
     def _wait(self, work: Work, timeout: datetime.timedelta) -> bool:
         """Publishes and reads in order of collective up to ``work``: this rank's own data first, and a slot's
@@ -161,24 +213,33 @@ class Channel:
             oldest = self._open[0]
             target = next((w for w in self._open if not w.published), None)
             if target is not None and target.seq <= work.seq and oldest.seq > target.seq - self.slots:
-                if not self._spin(lambda: self._slot_free(target.seq), deadline):
+                if not self.host.poll_until(lambda: self._can_publish(target), deadline, self, work):
                     return False
                 self._publish(target)
                 continue
-            s, seq = oldest.seq % self.slots, oldest.seq
-            if not self._spin(lambda: all(self._published[r][s] == seq for r in self._others), deadline):
+            if not self.host.poll_until(lambda: self._all_published(oldest), deadline, self, work):
                 return False
             self._read(oldest)
             self._open.popleft()
         return True
 
 
-def start_gather(channel: Channel, shards: List[Tensor], dtype: torch.dtype) -> Tuple[List[Tensor], Work]:
+def channel_header_bytes(slots: int) -> int:
+    return _round_up(_FIELDS * slots * 8, _ALIGN)
+
+
+def channel_bytes(slot_bytes: int, slots: int) -> int:
+    return channel_header_bytes(slots) + slots * slot_bytes
+
+
+def start_gather(channel: Channel, shards: List[Tensor], dtype: torch.dtype,
+                 ident: int = -1) -> Tuple[List[Tensor], Work]:
     """Every rank's ``shards`` (1-D, the same widths on every rank) gathered through ``channel``, cast to ``dtype``:
     a buffer per shard (world size x its width, rank-major, as an all-gather lays it out) and the last of the
     collectives filling them, a slot's worth of the shards back to back each (a shard wider than a slot spans
     several); a channel reads in order, so waiting for the last waits for them all. Each is copied into this rank's
-    slot when started (the cast in the same copy) and out of every rank's slot when read."""
+    slot when started (the cast in the same copy) and out of every rank's slot when read. ``ident`` names the
+    collectives for the ranks' check that they agree (a parameter's ``ds_id``)."""
     world, widths = channel.world_size, [shard.numel() for shard in shards]
     outs = [torch.empty(world * width, dtype=dtype, device=shard.device) for shard, width in zip(shards, widths)]
     starts = [0]
@@ -194,7 +255,8 @@ def start_gather(channel: Channel, shards: List[Tensor], dtype: torch.dtype) -> 
         works.append(channel.start((b - a) * dtype.itemsize,
                                    lambda slot, pieces=pieces: _fill_pieces(slot.view(dtype), shards, pieces),
                                    lambda rows, pieces=pieces: _take_pieces([row.view(dtype) for row in rows],
-                                                                            outs, widths, pieces)))
+                                                                            outs, widths, pieces),
+                                   kind=KIND_GATHER, dtype=dtype, ident=ident))
     return outs, works[-1]
 
 
@@ -215,7 +277,7 @@ def _take_pieces(rows: List[Tensor], outs: List[Tensor], widths: List[int], piec
         offset += n
 
 
-def start_sum(channel: Channel, columns: Tensor, row: Optional[int]) -> Work:
+def start_sum(channel: Channel, columns: Tensor, row: Optional[int], ident: int = -1) -> Work:
     """Every rank's ``columns`` (2-D) summed through ``channel``, chunk by chunk of columns, into ``columns[row]``
     (this rank's row of a ZeRO-3 bucket: a reduce-scatter) or, with ``row`` None, into all of ``columns`` (an
     all-reduce); returns the last chunk's collective, whose wait waits for them all (a channel reads in order). Each
@@ -223,13 +285,15 @@ def start_sum(channel: Channel, columns: Tensor, row: Optional[int]) -> Work:
     ``columns`` must not change in between."""
     height, width = columns.shape
     step = max(1, channel.slot_bytes // (height * columns.element_size()))
+    kind = KIND_ALL_REDUCE if row is None else KIND_REDUCE_SCATTER
     works = []
     for start in range(0, max(width, 1), step):  # an empty bucket too is one collective, as gloo's would be
         chunk = columns[:, start:start + step]
         out = chunk if row is None else chunk[row]
         works.append(channel.start(chunk.numel() * chunk.element_size(),
                                    lambda slot, chunk=chunk: slot.view(chunk.dtype).view(chunk.shape).copy_(chunk),
-                                   lambda slots, chunk=chunk, out=out: _sum(slots, chunk, out, row)))
+                                   lambda slots, chunk=chunk, out=out: _sum(slots, chunk, out, row),
+                                   kind=kind, dtype=columns.dtype, ident=ident))
     return works[-1]
 
 
@@ -242,19 +306,21 @@ def _sum(slots: List[Tensor], chunk: Tensor, out: Tensor, row: Optional[int]) ->
         out.add_(part)
 
 
-def _where() -> tuple:
-    """This process's host (name and boot id), architecture, and whether it has /dev/shm."""
+# ----- set-up ----------------------------------------------------------------------------------------------------
+def _where(directory: str) -> tuple:
+    """This process's host (name and boot id), architecture, and whether it has the segments' directory."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return socket.gethostname(), boot, platform.machine().lower(), os.path.isdir("/dev/shm")
+    return socket.gethostname(), boot, platform.machine().lower(), os.path.isdir(directory)
 
 
-def host_comm_unavailable(group, device: torch.device) -> Optional[str]:
-    """Why the ranks of ``group`` cannot use shared memory for the runtime's collectives, or None. Every rank gets the
-    same answer: what can differ between ranks is gathered from all of them (one collective, on CPU with gloo)."""
+def host_comm_unavailable(group, device: torch.device, directory: str = DEFAULT_DIR) -> Optional[str]:
+    """Why the ranks of ``group`` cannot use shared memory for the runtime's collectives, as far as the ranks' host,
+    architecture and directory tell, or None. Every rank gets the same answer: what can differ between ranks is
+    gathered from all of them (one collective, on CPU with gloo)."""
     if device.type != "cpu":
         return f"the runtime's device is {device.type}, not cpu"
     if dist.get_backend(group) != "gloo":
@@ -262,13 +328,14 @@ def host_comm_unavailable(group, device: torch.device) -> Optional[str]:
     if dist.get_world_size(group) < 2:
         return "there is one rank"
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, _where(), group=group)
+    dist.all_gather_object(everyone, _where(directory), group=group)
     if any(where[:2] != everyone[0][:2] for where in everyone):
         return "the ranks are on more than one host"
-    if everyone[0][2] not in ("x86_64", "amd64"):  # host_comm.py's docstring
+    if everyone[0][2] not in ("x86_64", "amd64"):  # the module docstring
         return f"its flags rely on x86-64's store order, and this machine is {everyone[0][2]}"
-    if not everyone[0][3]:
-        return "this host has no /dev/shm"
+    missing = [r for r, where in enumerate(everyone) if not where[3]]
+    if missing:
+        return f"{directory} is not a directory on rank {missing[0]} (compile.host_comm_dir)"
     return None
 
 
@@ -280,35 +347,269 @@ def new_token(group) -> str:
     return token[0]
 
 
+def group_timeout(group) -> datetime.timedelta:
+    """The process group's own collective timeout (what gloo's collectives on it wait), else torch's default."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return _DEFAULT_TIMEOUT
+
+
+def _agree(group, problem: Optional[str]) -> Optional[str]:
+    """Every rank's ``problem`` gathered (one collective): the first rank's that has one, named, or None."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, problem, group=group)
+    return next((f"rank {r}: {p}" for r, p in enumerate(everyone) if p is not None), None)
+
+
+class _Segments:
+    """This rank's segment file and every rank's mapping of theirs. Closing unmaps what it can and closes the files
+    (which releases the lock that tells peers this process lives); the file itself is unlinked once every rank has
+    mapped it, or on any failure before."""
+
+    def __init__(self, path: str):
+        self.path: Optional[str] = path  # until unlinked
+        self.fds: List[int] = []  # per rank once opened; this rank's first
+        self.maps: List[mmap.mmap] = []
+        self.own_fd = -1
+        self.failed = False  # a failure posted: closing keeps it for the peers to read
+
+    def unlink(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self.path = None
+
+    def set_state(self, state: int, message: str = "") -> None:
+        """Written with the file, not the mapping: works while views of the mapping are still alive."""
+        if self.own_fd < 0:
+            return
+        data = message.encode()[:_MESSAGE_MAX]
+        if state == _FAILED:
+            self.failed = True
+        elif self.failed:
+            return
+        try:
+            if data:
+                os.pwrite(self.own_fd, data, _MESSAGE_AT)
+                os.pwrite(self.own_fd, np.array([len(data)], dtype=np.int64).tobytes(), _MESSAGE_LEN * 8)
+            os.pwrite(self.own_fd, np.array([state], dtype=np.int64).tobytes(), _STATE * 8)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.unlink()
+        self.set_state(_CLOSED)
+        for m in self.maps:
+            try:
+                m.close()
+            except BufferError:  # views still alive elsewhere: unmapped when they go
+                pass
+        self.maps = []
+        for fd in self.fds + ([self.own_fd] if self.own_fd >= 0 and self.own_fd not in self.fds else []):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds, self.own_fd = [], -1
+
+
+def _create(segments: _Segments, size: int, token: int, rank: int) -> None:
+    """This rank's segment: created, its space reserved, its control page written, locked for life."""
+    directory = os.path.dirname(segments.path)
+    free = os.statvfs(directory)
+    available = free.f_bavail * free.f_frsize
+    if available < size:
+        raise OSError(errno.ENOSPC, f"{directory} has {available >> 20} MiB free and a segment needs {size >> 20} MiB "
+                                    "(a container's /dev/shm is often 64 MiB: docker run --shm-size)")
+    fd = os.open(segments.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    segments.own_fd = fd
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as err:
+        raise OSError(err.errno, f"reserving {size >> 20} MiB in {directory} failed ({os.strerror(err.errno)}; a "
+                                 "container's /dev/shm is often 64 MiB: docker run --shm-size)") from err
+    os.pwrite(fd, np.array([token, rank, _OPEN, 0], dtype=np.int64).tobytes(), 0)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives: peers test it (_gone)
+
+
+def _map_peers(segments: _Segments, paths: List[str], size: int, token: int, rank: int) -> None:
+    for r, path in enumerate(paths):
+        fd = segments.own_fd if r == rank else os.open(path, os.O_RDWR)
+        if r != rank:
+            segments.fds.append(fd)
+        if os.fstat(fd).st_size != size:
+            raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, not the {size} rank {r} made")
+        segments.maps.append(mmap.mmap(fd, size, flags=_MAP_FLAGS))
+        head = np.frombuffer(segments.maps[-1], dtype=np.int64, count=2)
+        if (int(head[_TOKEN]), int(head[_RANK])) != (token, r):
+            raise OSError(f"{path} is not the segment rank {r} made for this job (another /dev/shm: the ranks share a "
+                          "host name but not their shared-memory directory)")
+        del head
+    # the fds list per rank, this rank's own in its place
+    segments.fds.insert(rank, segments.own_fd)
+
+
 class HostComm:
-    """A runtime's channels: ``gather`` (slots of a gathered chunk's shard; None at ZeRO-1/2) and ``reduce`` (slots
-    of a chunk of a gradient bucket)."""
+    """A runtime's shared-memory transport: channel ``gather`` (slots of a gathered chunk's shard; None without one)
+    and ``reduce`` (slots of a chunk of a gradient bucket), in one segment a rank. Made by :func:`open_host_comm`."""
 
-    def __init__(self, group, gather_slot_bytes: int, reduce_slot_bytes: int, gather_slots: int = 8,
-                 reduce_slots: int = 4):
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        token = new_token(group)
-        self.gather = Channel(group, rank, world_size, gather_slot_bytes, gather_slots, token, "g") \
+    def __init__(self, group, gather_slot_bytes: int, reduce_slot_bytes: int, directory: str = DEFAULT_DIR,
+                 gather_slots: int = GATHER_SLOTS, reduce_slots: int = REDUCE_SLOTS):
+        """Sets up the segments as one step the ranks agree on; raises :class:`HostCommError` saying why when any
+        rank cannot, after every rank has released what it made."""
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.timeout = group_timeout(group)
+        gather_slot_bytes = _round_up(gather_slot_bytes, _ALIGN) if gather_slot_bytes else 0
+        reduce_slot_bytes = _round_up(max(reduce_slot_bytes, _ALIGN), _ALIGN)
+        gather_at = _PAGE
+        reduce_at = gather_at + (channel_bytes(gather_slot_bytes, gather_slots) if gather_slot_bytes else 0)
+        self.bytes = _round_up(reduce_at + channel_bytes(reduce_slot_bytes, reduce_slots), _PAGE)  # this rank's
+        hex_token = new_token(group)
+        token = int(hex_token[:15], 16)
+        paths = [os.path.join(directory, f"dsc_{hex_token}_{r}") for r in range(self.world_size)]
+        self._segments = _Segments(paths[self.rank])
+        # process exit releases the segments of a runtime never closed
+        self._finalizer = weakref.finalize(self, _Segments.close, self._segments)
+        try:
+            problem = _attempt(lambda: _create(self._segments, self.bytes, token, self.rank))
+            problem = _agree(group, problem) or _agree(group, _attempt(
+                lambda: _map_peers(self._segments, paths, self.bytes, token, self.rank)))
+        except BaseException:
+            self._finalizer()
+            raise
+        if problem is not None:
+            self._finalizer()
+            raise HostCommError(problem)
+        self._segments.unlink()  # every rank has mapped every segment: the names can go
+        maps = self._segments.maps
+        self._control = [np.frombuffer(m, dtype=np.int64, count=4) for m in maps]
+        self._others = [r for r in range(self.world_size) if r != self.rank]
+        self.gather = Channel(self, "gather", maps, gather_at, gather_slot_bytes, gather_slots) \
             if gather_slot_bytes else None
-        self.reduce = Channel(group, rank, world_size, reduce_slot_bytes, reduce_slots, token, "r")
+        self.reduce = Channel(self, "reduce", maps, reduce_at, reduce_slot_bytes, reduce_slots)
+        self.channels = [c for c in (self.gather, self.reduce) if c is not None]
+        self.closed = False
+        # called with a peer's posted failure before a wait raises it: the runtime's owner falls back as the peer did
+        self.on_peer_failure: Optional[Callable[[str], None]] = None
 
-    @property
-    def bytes(self) -> int:
-        return self.reduce.bytes + (self.gather.bytes if self.gather is not None else 0)
+    # ----- waits -----------------------------------------------------------------------------------------------
+    def poll_until(self, ready: Callable[[], bool], deadline: float, channel: Channel, work: Work) -> bool:
+        """Wait until ``ready()`` (True) or ``deadline`` (False), moving the other channels meanwhile; a peer gone,
+        closed or failed raises :class:`HostCommError`."""
+        polls, pause = 0, _SLEEP_S[0]
+        began = next_check = None
+        while not ready():
+            for other in self.channels:
+                if other is not channel:
+                    other.progress()
+            polls += 1
+            if polls <= _SPINS:
+                continue
+            now = time.monotonic()
+            if began is None:
+                began, next_check = now, now + _CHECK_PEERS_S
+            if now - began < _YIELD_S:
+                os.sched_yield()  # the other ranks may need this core to get here
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, _SLEEP_S[1])
+            if now >= next_check:
+                self.check_peers(lambda: channel.name(work))
+                if now > deadline:
+                    return False
+                next_check = now + _CHECK_PEERS_S
+        return True
+
+    def check_peers(self, waiting_for: Callable[[], str] = lambda: "a collective") -> None:
+        """Raise :class:`HostCommError` naming the first peer whose process is gone, or that closed its segments or
+        posted a failure."""
+        for r in self._others:
+            state = int(self._control[r][_STATE])
+            if state == _FAILED:
+                why = f"failed: {self._message(r)}"
+            elif state == _CLOSED:
+                why = "closed its shared-memory segments (its engine was destroyed)"
+            elif self._gone(r):
+                why = "exited: its process is gone"
+            else:
+                continue
+            if state == _FAILED and self.on_peer_failure is not None:
+                self.on_peer_failure(self._message(r))
+            raise self.fail(HostCommError(f"deepspeed-compile: rank {r} {why}, while rank {self.rank} waits for "
+                                          f"{waiting_for()}"), post=state != _FAILED)
+
+    def _gone(self, r: int) -> bool:
+        """Whether rank ``r``'s process has ended: the kernel released the lock it held on its segment."""
+        fd = self._segments.fds[r]
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+
+    def _message(self, r: int) -> str:
+        n = min(int(self._control[r][_MESSAGE_LEN]), _MESSAGE_MAX)
+        return bytes(self._segments.maps[r][_MESSAGE_AT:_MESSAGE_AT + n]).decode(errors="replace")
+
+    # ----- failures and the end -----------------------------------------------------------------------------------
+    def post_failure(self, message: str) -> None:
+        """Tell the peers this rank cannot go on (``message`` says why): a peer's next wait on shared memory raises
+        naming this rank and ``message``, instead of waiting for collectives this rank will not start."""
+        if not self.closed:
+            self._segments.set_state(_FAILED, message)
+
+    def fail(self, err: HostCommError, post: bool = True) -> HostCommError:
+        """``err``, posted to the peers first (they stop too); for ``raise self.fail(...)``."""
+        if post:
+            self.post_failure(str(err))
+        return err
+
+    def close(self) -> None:
+        """Release the segments (the engine's destroy; process exit does it too): the peers' waits that still need
+        this rank raise, and the memory is returned once every rank has closed."""
+        if self.closed:
+            return
+        self.closed = True
+        for channel in self.channels:
+            channel._meta = channel._published = channel._consumed = channel._data = None
+        self._control = None
+        self._finalizer()
 
 
-def open_host_comm(mode: str, group, device: torch.device, gather_slot_bytes: int,
-                   reduce_slot_bytes: int) -> Optional[HostComm]:
+def _attempt(step: Callable[[], None]) -> Optional[str]:
+    try:
+        step()
+        return None
+    except OSError as err:
+        return str(err) if err.filename is None else f"{err.strerror}: {err.filename}"
+    except Exception as err:  # any rank's failure must reach the agreement, or the others would wait for it
+        return f"{type(err).__name__}: {err}"
+
+
+def open_host_comm(mode: str, group, device: torch.device, gather_slot_bytes: int, reduce_slot_bytes: int,
+                   directory: str = DEFAULT_DIR) -> Optional[HostComm]:
     """``compile.host_comm``: ``"gloo"`` None; ``"shm"`` shared memory or a ``ValueError`` saying why not; ``"auto"``
-    shared memory where every rank is on this host (CPU, gloo, x86-64), else None. ``gather_slot_bytes`` 0: no
-    gather channel."""
+    shared memory where every rank is on this host (CPU, gloo, x86-64) and can set up its segments in ``directory``,
+    else None, with one warning saying why when the segments could not be set up. ``gather_slot_bytes`` 0: no gather
+    channel. Every rank gets the same answer."""
     if mode not in HOST_COMM_MODES:
         raise ValueError(f"compile.host_comm: {mode!r} is not one of {', '.join(HOST_COMM_MODES)}")
     if mode == "gloo":
         return None
-    reason = host_comm_unavailable(group, device)
-    if reason is not None:
-        if mode == "shm":
-            raise ValueError(f"compile.host_comm='shm' cannot be used: {reason}")
-        return None
-    return HostComm(group, gather_slot_bytes, reduce_slot_bytes)
+    reason = host_comm_unavailable(group, device, directory)
+    if reason is None:
+        try:
+            return HostComm(group, gather_slot_bytes, reduce_slot_bytes, directory)
+        except HostCommError as err:
+            reason = f"setting up its segments failed on {err}"
+            if mode == "auto":
+                log.warning(f"deepspeed-compile: compile.host_comm='auto': the runtime's collectives go through the "
+                            f"process group, not shared memory: {reason}")
+    if mode == "shm":
+        raise ValueError(f"compile.host_comm='shm' cannot be used: {reason}")
+    return None

@@ -30,7 +30,7 @@ from torch.nn import Parameter
 
 from . import registry
 from .ops import gradient_wanted
-from .host_comm import REDUCE_SLOT_BYTES, open_host_comm
+from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, open_host_comm
 from .z12_reduce import BucketFlush
 
 
@@ -48,7 +48,8 @@ class Z12Counters:
 
 class Z12Runtime:
 
-    def __init__(self, engine, *, stage: int, timeout_s: float = 0.0, host_comm: str = "auto"):
+    def __init__(self, engine, *, stage: int, timeout_s: float = 0.0, host_comm: str = "auto",
+                 host_comm_dir: str = DEFAULT_DIR):
         self.engine = engine
         self.optimizer = engine.optimizer
         self.stage = stage
@@ -84,9 +85,10 @@ class Z12Runtime:
         self.flush = BucketFlush(self.optimizer, lambda: self.counters, timeout_s)
         # the bucket all-reduces the flush starts itself (ZeRO-2's) through shared memory where every rank is on this
         # host (compile.host_comm); ZeRO's own paths (ZeRO-1's among them) go through the process group
+        numel = sum(p.numel() for group in self.optimizer.bit16_groups for p in group)
         self.host = open_host_comm(host_comm, self.optimizer.dp_process_group, torch.device(engine.device),
-                                   gather_slot_bytes=0, reduce_slot_bytes=REDUCE_SLOT_BYTES) \
-            if self.flush.overlapped else None
+                                   gather_slot_bytes=0, reduce_slot_bytes=min(REDUCE_SLOT_BYTES, numel * 4),
+                                   directory=host_comm_dir) if self.flush.overlapped else None
         self.host_comm = "gloo" if self.host is None else "shm"
         self.flush.host = None if self.host is None else self.host.reduce
         self.optimizer.reduce_ipg_grads = self.flush.reduce_ipg_grads
@@ -295,6 +297,18 @@ class Z12Runtime:
         compiled graphs (their backward returns None for it), else the gradient of its eager uses."""
         if grad is not None:
             self._eager_incoming.add(key)
+
+    def post_failure(self, message: str) -> None:
+        """This rank cannot go on with its graphs (``message`` says why): tell the peers, whose next wait on shared
+        memory raises naming this rank and the cause (``HostComm.post_failure``)."""
+        if self.host is not None:
+            self.host.post_failure(message)
+
+    def close(self) -> None:
+        """Release what the runtime holds of the OS, its shared-memory segments (the engine's deactivation and
+        destroy; process exit does it too)."""
+        if self.host is not None:
+            self.host.close()
 
     def detach(self) -> None:
         """Give ZeRO its own gradient hooks and reductions back (the engine returns to eager ZeRO-1/2)."""

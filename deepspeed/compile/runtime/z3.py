@@ -24,7 +24,7 @@ from torch.nn import Parameter
 from ..native.gather import cast_all_gather_python, load_native, wait_for
 from . import registry, standins
 from .comm import CommLog, Counters
-from .host_comm import REDUCE_SLOT_BYTES, open_host_comm, start_gather
+from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, open_host_comm, start_gather
 from .eager_access import (EagerAccess, install_forwards_gathering_returned,
                            uninstall_forwards_gathering_returned)
 from .ops import gradient_wanted
@@ -46,7 +46,8 @@ class Z3Runtime:
     stage = 3
 
     def __init__(self, engine, *, timeout_s: float = 0.0, free_on_release: bool = True, native_op: str = "auto",
-                 prefetch_across_graphs: bool = False, host_comm: str = "auto"):
+                 prefetch_across_graphs: bool = False, host_comm: str = "auto",
+                 host_comm_dir: str = DEFAULT_DIR):
         self.engine = engine
         self.optimizer = engine.optimizer
         self.group = self.optimizer.dp_process_group
@@ -93,11 +94,15 @@ class Z3Runtime:
         self._forward_running = False
         names = {p.ds_id: name for name, p in engine.module.named_parameters() if hasattr(p, "ds_id")}
         self._names = names
-        # the collectives through shared memory where every rank is on this host (compile.host_comm): a gather slot
-        # holds this rank's share of a run's chunk (GatherRuns._start_chunks) in fp32; a wider parameter takes several
+        # the collectives through shared memory where every rank is on this host (compile.host_comm), in slots sized
+        # by need: a gather slot holds this rank's share of a run's chunk (GatherRuns._start_chunks; a wider parameter
+        # takes several), a reduce slot a chunk of a bucket of every rank's rows, neither more than the model has
+        shard_numel = sum(p.ds_tensor.numel() for p in self.sharded.values())
+        itemsize = max([4] + [p.ds_tensor.element_size() for p in self.sharded.values()])
         self.host = open_host_comm(host_comm, self.group, self.device,
-                                   gather_slot_bytes=GATHER_CHUNK_NUMEL // self.world_size * 4,
-                                   reduce_slot_bytes=REDUCE_SLOT_BYTES)
+                                   gather_slot_bytes=max(64, min(GATHER_CHUNK_NUMEL // self.world_size, shard_numel) * itemsize),
+                                   reduce_slot_bytes=min(REDUCE_SLOT_BYTES, shard_numel * self.world_size * itemsize),
+                                   directory=host_comm_dir)
         self.host_comm = "gloo" if self.host is None else "shm"
         self.reducer = GradientReducer(self.optimizer, self.params, self.group, self.world_size,
                                        int(engine.zero_reduce_bucket_size()), self.comm,
@@ -205,7 +210,7 @@ class Z3Runtime:
         # the shard is cast before it is sent: bf16 moves half the bytes of gathering fp32 and casting after
         with self.comm.timeout_named(lambda: f"the all-gather of parameter {self.eager.name(param)}"):
             if self.host is not None:
-                flat = self._host_gather(shard, dtype)
+                flat = self._host_gather(param, shard, dtype)
             else:
                 flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.comm.timeout)
         self.comm.done("all-gather", start)
@@ -214,9 +219,9 @@ class Z3Runtime:
         self.gather_paths[path] = self.gather_paths.get(path, 0) + 1
         return self._add_gathered(param, dtype, flat, 1, gathered_from)
 
-    def _host_gather(self, shard: Tensor, dtype: torch.dtype) -> Tensor:
+    def _host_gather(self, param: Parameter, shard: Tensor, dtype: torch.dtype) -> Tensor:
         """One parameter gathered through shared memory: cast into this rank's slot, every rank's slot copied out."""
-        (flat, ), work = start_gather(self.host.gather, [shard.reshape(-1)], dtype)
+        (flat, ), work = start_gather(self.host.gather, [shard.reshape(-1)], dtype, ident=param.ds_id)
         wait_for(work, self.comm.timeout)
         return flat
 
@@ -343,6 +348,18 @@ class Z3Runtime:
             self.reducer.reduce(param.ds_id, grad)
 
     # ----- engine hooks ----------------------------------------------------------------------------------
+    def post_failure(self, message: str) -> None:
+        """This rank cannot go on with its graphs (``message`` says why): tell the peers, whose next wait on shared
+        memory raises naming this rank and the cause (``HostComm.post_failure``)."""
+        if self.host is not None:
+            self.host.post_failure(message)
+
+    def close(self) -> None:
+        """Release what the runtime holds of the OS, its shared-memory segments (the engine's deactivation and
+        destroy; process exit does it too)."""
+        if self.host is not None:
+            self.host.close()
+
     def detach(self) -> None:
         """The engine returns to eager ZeRO-3: eagerly gathered parameters partitioned, eager ZeRO-3's own gradient
         hooks in charge, stand-ins out (the caller switches ZeRO-3's module hooks back on)."""

@@ -221,7 +221,7 @@ class GatherRuns:
         flats = None
         if self.host is not None:  # cast into this rank's slot as the shards are joined; read out per parameter
             path, send, recv = "shm", None, None
-            flats, work = start_gather(self.host, shards, dtype)
+            flats, work = start_gather(self.host, shards, dtype, ident=members[0].ds_id)
         elif self.native_start:  # the op casts into a send buffer of its own: joined shards need no copy first
             path, send = "native", joined if joined is not None else torch.cat(shards)
             work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.comm.timeout)

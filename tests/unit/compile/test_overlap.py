@@ -71,7 +71,7 @@ def _rank_gather_runs(through_shm: bool) -> Dict:
     import torch.distributed as dist
     from deepspeed.compile.runtime import z3_runs
     from deepspeed.compile.runtime.comm import CommLog
-    from deepspeed.compile.runtime.host_comm import Channel, new_token
+    from deepspeed.compile.runtime.host_comm import HostComm
     from deepspeed.compile.runtime.ops import encode_plan
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -92,7 +92,7 @@ def _rank_gather_runs(through_shm: bool) -> Dict:
     z3_runs.GATHER_CHUNK_NUMEL = 1200  # several chunks a run
     comm = CommLog(timeout_s=60)
     # slots of 500 fp32 elements: a chunk (600 of a rank's elements, or a 700- or 1000-element shard alone) spans two
-    host = Channel(None, rank, world, 4 * 500, 2, new_token(None), "t") if through_shm else None
+    host = HostComm(None, 4 * 500, 64, gather_slots=2).gather if through_shm else None
     got = {}
     paths = {}  # collectives by the path they took
 

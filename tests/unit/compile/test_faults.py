@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Faults a real cluster produces, on a compiled engine: a shared-memory directory the ranks do not share or that is
+too small (``"auto"`` agrees to use the process group and trains bitwise as eager ZeRO-3), a peer that exits
+mid-training (the survivor raises within seconds, naming it, on either transport), one rank's compile failing (every
+rank stops that step naming the rank and the cause, and all go on as eager ZeRO-3 together), and the engine's destroy
+(nothing left in the directory, nothing mapped)."""
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+
+from compare import assert_bitwise_equal, assert_ran_compiled, run_pair
+from distributed import run_distributed
+from test_host_comm import _mapped_segments, _small_tmpfs
+
+
+def _rank_pair_in(dirs: list) -> dict:
+    """Eager ZeRO-3 and the compiled engine with ``host_comm: "auto"`` in this rank's directory of ``dirs``."""
+    import torch.distributed as dist
+    directory = dirs[int(os.environ["RANK"]) % len(dirs)]
+    r = run_pair("gpt", 3, compile_section={"host_comm": "auto", "host_comm_dir": directory})
+    dist.barrier()
+    r["left"] = os.listdir(directory)
+    r["mapped"] = len(_mapped_segments())
+    return r
+
+
+def _check_fell_back_to_the_process_group(results: list) -> None:
+    for r in results:
+        assert r["host_comm"] == "gloo", r["host_comm"]
+        assert r["left"] == [] and r["mapped"] == 0, (r["left"], r["mapped"])
+        assert_ran_compiled(r)
+        assert_bitwise_equal(r)
+
+
+def test_ranks_on_one_host_with_separate_shm_directories_train_through_the_process_group():
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        _check_fell_back_to_the_process_group(run_distributed(_rank_pair_in, [a, b], timeout_s=150))
+
+
+def test_a_shm_directory_too_small_for_the_segments_trains_through_the_process_group():
+    directory = _small_tmpfs(1)  # the model's segments need more than 1 MiB a rank
+    if directory is None:
+        pytest.skip("mounting a tmpfs needs root (the separate-directories test covers the fallback without it)")
+    try:
+        _check_fell_back_to_the_process_group(run_distributed(_rank_pair_in, [directory], timeout_s=150))
+    finally:
+        os.system(f"umount {directory}")
+        os.rmdir(directory)
+
+
+def _rank_destroyed(directory: str) -> dict:
+    from models import ds_config
+    from training import make_engine, train
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": "shm", "host_comm_dir": directory}))
+    engine.compile(backend="eager")
+    train(engine, "gpt", 1)
+    mapped_while_training = len(_mapped_segments())
+    engine.destroy()
+    return {"while": mapped_while_training, "after": len(_mapped_segments()), "left": os.listdir(directory)}
+
+
+def test_destroy_returns_the_segments():
+    with tempfile.TemporaryDirectory() as directory:
+        for r in run_distributed(_rank_destroyed, directory, timeout_s=120):
+            assert r == {"while": 2, "after": 0, "left": []}, r
+
+
+def _rank_peer_exits(host_comm: str) -> dict:
+    """Rank 1 leaves after its first step (the harness ends its process): rank 0's next step must raise."""
+    from models import ds_config
+    from training import make_engine, train
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": host_comm}))
+    engine.compile(backend="eager")
+    train(engine, "gpt", 1)
+    if torch.distributed.get_rank() == 1:
+        return {"rank": 1}
+    t0 = time.monotonic()
+    try:
+        train(engine, "gpt", 2, first_step=1)
+        message = "completed"
+    except Exception as err:  # gloo's error, or ours
+        message = f"{type(err).__name__}: {err}"
+    return {"rank": 0, "message": message, "seconds": time.monotonic() - t0,
+            "host_comm": engine._deepspeed_compile.runtime.host_comm}
+
+
+@pytest.mark.parametrize("host_comm", ["shm", "gloo"])
+def test_a_peer_that_exits_mid_training_makes_the_survivor_raise_within_seconds(host_comm):
+    # the process group's timeout here is 60 s (the harness's): both transports must notice the peer well before it
+    r = next(r for r in run_distributed(_rank_peer_exits, host_comm, timeout_s=120) if r["rank"] == 0)
+    assert r["host_comm"] == host_comm
+    assert r["message"] != "completed" and r["seconds"] < 30, r
+    if host_comm == "shm":
+        assert "rank 1 exited" in r["message"], r
+
+
+def _rank_compile_fails_on_rank_1() -> dict:
+    """Rank 1's forward compile fails (an injected error); rank 0's succeeds. Both must stop in that step, rank 0
+    naming rank 1 and the cause, and both then train as eager ZeRO-3."""
+    from deepspeed.compile.capture import compiler
+    from models import ds_config, make_batch
+    from training import make_engine, train
+    rank = torch.distributed.get_rank()
+    eager = make_engine("gpt", ds_config(3))
+    eager_losses = train(eager, "gpt", 2, first_step=1)  # the failed step is skipped
+    eager.destroy()
+    if rank == 1:
+        def broken(self, gm, example_inputs):
+            raise RuntimeError("an injected compile failure")
+        compiler.GraphCompiler._compile_forward = broken
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": "shm"}))
+    engine.compile(backend="eager")
+    try:
+        engine(*make_batch("gpt", 0, rank))
+        raised = None
+    except Exception as err:
+        raised = f"{type(err).__name__}: {err}"
+    active = engine.is_deepcompile_active()
+    return {"rank": rank, "raised": raised, "active": active, "losses": train(engine, "gpt", 2, first_step=1),
+            "eager_losses": eager_losses}
+
+
+def test_one_ranks_compile_failure_stops_every_rank_then_all_run_eager_zero3_together():
+    results = run_distributed(_rank_compile_fails_on_rank_1, timeout_s=150)
+    for r in results:
+        assert r["raised"] is not None, r
+        assert not r["active"], r  # every rank fell back, in the same step
+        assert r["losses"] == r["eager_losses"], r  # and trains as eager ZeRO-3 from there, on every rank alike
+    assert "an injected compile failure" in results[1]["raised"], results[1]
+    assert "rank 1 failed: compiling a graph failed (RuntimeError: an injected compile failure)" in \
+        results[0]["raised"], results[0]
