@@ -1,0 +1,268 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The documentation check CI runs: fast, in-process, no ranks.
+
+- README.md and docs/ speak of the product only: no words of how the work was organised (run labels, issue numbers).
+- docs/config.md documents every key of ``CompileConfig`` with its default, and no key that is gone.
+- Every file path the README and the reference docs name exists (history names files as they were then), and every
+  flag a command in README.md or docs/ gives a benchmark or script is one that script takes.
+- Every relative Markdown link resolves, anchors included.
+- Every source file starts with its SPDX licence header.
+"""
+import json
+import re
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+HISTORY = DOCS / "history"
+PACKAGE = REPO / "deepspeed" / "compile"
+
+
+def markdown_files() -> List[Path]:
+    return [README] + sorted(DOCS.rglob("*.md"))
+
+
+def reference_files() -> List[Path]:
+    """README and the reference docs: what must describe the tree as it is (history describes what was)."""
+    return [p for p in markdown_files() if HISTORY not in p.parents]
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+# ---- (a) the product's words only -------------------------------------------------------------------------------
+# Words a reader of the product cannot know: labels of the runs that produced it, issue numbers, and words about how
+# the work was organised. Dates, commits and versions say when instead.
+WORKFLOW_WORDS = [
+    r"\bstops? \d+",  # "stop 50", "stops 24-46"
+    r"\bstop-\d+",
+    r"\b(?:this|last|next|previous) stop\b",
+    r"\bstop's\b",
+    r"\bissues? #?\d+",  # "issue 11", "issues 11 and 15"
+    r"\bissue's\b",
+    r"\bsessions?\b",
+    r"\bfiled\b",
+    r"\bout/s\d+_",  # an output directory named after a run label
+]
+
+
+def workflow_hits(text: str) -> List[Tuple[int, str]]:
+    hits = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for pattern in WORKFLOW_WORDS:
+            for match in re.finditer(pattern, line, flags=re.IGNORECASE):
+                hits.append((number, match.group(0)))
+    return hits
+
+
+def test_workflow_words_are_caught():
+    assert workflow_hits("at stop 50 it was measured") == [(1, "stop 50")]
+    assert [w for _, w in workflow_hits("Issue 11's target; issues 11 and 15\nthis session")] == [
+        "Issue 11", "issues 11", "session"]
+    # ordinary words stay allowed
+    assert workflow_hits("backward stops there; a wait that stops; the op issues a collective; `--steps 12`") == []
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=rel)
+def test_docs_use_no_workflow_vocabulary(path: Path):
+    hits = workflow_hits(path.read_text())
+    assert not hits, f"{rel(path)}: words of the workflow, not the product (use dates, commits, versions): " + \
+        ", ".join(f"line {n}: {word!r}" for n, word in hits)
+
+
+# ---- (b) every config key documented with its default -----------------------------------------------------------
+def key_tables(text: str) -> Dict[str, str]:
+    """Rows of the Markdown tables whose header starts ``| key | default |``: key -> the default's cell."""
+    rows, in_table = {}, False
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells is None:
+            in_table = False
+        elif cells[:2] == ["key", "default"]:
+            in_table = True
+        elif in_table and not set(cells[0]) <= set("-: "):
+            key = re.fullmatch(r"`(\w+)`", cells[0])
+            assert key, f"docs/config.md: a key cell that is not one `name`: {cells[0]!r}"
+            rows[key.group(1)] = cells[1]
+    return rows
+
+
+def compile_config_fields():
+    config = pytest.importorskip("deepspeed.compile.config")
+    if PACKAGE not in Path(config.__file__).resolve().parents:
+        pytest.skip(f"deepspeed.compile is not this checkout's ({config.__file__})")
+    return config.CompileConfig.model_fields
+
+
+def test_every_config_key_is_documented_with_its_default():
+    fields = compile_config_fields()
+    documented = key_tables((DOCS / "config.md").read_text())
+    missing = sorted(set(fields) - set(documented))
+    stale = sorted(set(documented) - set(fields))
+    assert not missing, f"docs/config.md documents no row for {missing}"
+    assert not stale, f"docs/config.md documents keys CompileConfig no longer has: {stale}"
+    wrong = {}
+    for name, field in fields.items():
+        cell = documented[name]
+        value = re.fullmatch(r"`(.+)`", cell)
+        try:
+            shown = json.loads(value.group(1)) if value else cell
+        except json.JSONDecodeError:
+            shown = cell
+        if shown != field.default or isinstance(shown, bool) != isinstance(field.default, bool):
+            wrong[name] = (cell, field.default)
+    assert not wrong, f"docs/config.md: defaults that are not config.py's (documented, actual): {wrong}"
+
+
+# ---- (c) paths and commands the docs name exist -----------------------------------------------------------------
+TOP_LEVEL = r"(?:\.ci|benchmarks|csrc|deepspeed|docs|requirements|scripts|tests)"
+# a path from the repository root, or one inside the package as the docs write them (`capture/regions.py`)
+ROOT_PATH = re.compile(rf"(?<![\w./-]){TOP_LEVEL}/[\w./*-]*[\w/*]|(?<![\w./-])(?:LICENSE|setup\.py|MANIFEST\.in)\b")
+PACKAGE_PATH = re.compile(r"(?<![\w./-])(?:capture|graph|native|passes|runtime|schedule)/\w+\.py\b")
+
+
+def code_text(text: str) -> Iterator[str]:
+    """Inline code spans and indented code lines: where the docs name files and commands."""
+    for line in text.splitlines():
+        if line.startswith("    "):
+            yield line
+        yield from re.findall(r"`([^`]+)`", line)
+
+
+def named_paths(text: str) -> List[Tuple[str, str]]:
+    """(base, path) for each path in code: base "" is the repository root, "pkg" the package (links: below)."""
+    found = []
+    for code in code_text(text):
+        found += [("", m) for m in ROOT_PATH.findall(code)] + [("pkg", m) for m in PACKAGE_PATH.findall(code)]
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("path", reference_files(), ids=rel)
+def test_named_paths_exist(path: Path):
+    missing = []
+    for kind, name in named_paths(path.read_text()):
+        base = PACKAGE if kind == "pkg" else REPO
+        exists = any(base.glob(name.rstrip("/"))) if "*" in name else (base / name.rstrip("/")).exists()
+        if not exists:
+            missing.append(name)
+    assert not missing, f"{rel(path)} names paths that do not exist: {missing}"
+
+
+def test_readme_names_the_two_commands_and_they_exist():
+    text = README.read_text()
+    for command in ("bash scripts/main_job.sh", "bash .ci/run"):
+        assert re.search(rf"^    {re.escape(command)}\s", text, flags=re.MULTILINE), f"README lost `{command}`"
+    assert (REPO / "scripts" / "main_job.sh").is_file() and (REPO / ".ci" / "run").is_file()
+    assert len(text.splitlines()) <= 150, "README.md is meant to be read in a minute: at most 150 lines"
+
+
+SCRIPT_CALL = re.compile(r"((?:benchmarks|scripts)/\w+\.py|\b(?:run|steady_step)\.py)((?:\s+[^#`|]*)?)")
+
+
+def documented_flags(text: str) -> Iterator[Tuple[str, str]]:
+    """(script, --flag) for each flag a documented command gives a repository script; commands continue over
+    backslash-ended lines, and ``$S`` stands for ``steady_step.py`` where the docs define it so."""
+    lines, joined = text.splitlines(), []
+    for line in lines:
+        if joined and joined[-1].endswith("\\"):
+            joined[-1] = joined[-1][:-1] + " " + line.strip()
+        else:
+            joined.append(line)
+    steady = any(re.search(r'S="[^"]*steady_step\.py"', line) for line in joined)
+    for line in joined:
+        if steady:
+            line = re.sub(r"\$S\b", "benchmarks/steady_step.py", line)
+        for script, args in SCRIPT_CALL.findall(line):
+            if "/" not in script:
+                script = "benchmarks/" + script
+            for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", args):
+                yield script, flag
+
+
+def script_flags(source: Path) -> set:
+    """The flags a script defines, with those of the modules beside it that it imports (``worker.py``'s shared ones)."""
+    texts = [source.read_text()]
+    names = set()
+    for module, imported in re.findall(r"^\s*(?:from\s+([\w.]+)\s+)?import\s+([\w, ]+)", texts[0], flags=re.MULTILINE):
+        names |= {module.split(".")[-1]} | {n.strip() for n in imported.split(",")}
+    for name in sorted(names - {""}):
+        sibling = source.parent / f"{name}.py"
+        if sibling.is_file() and sibling != source:
+            texts.append(sibling.read_text())
+    return set(re.findall(r"""["'](--[a-z][\w-]*)["']""", "\n".join(texts)))
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=rel)
+def test_documented_flags_are_flags_of_their_script(path: Path):
+    """argparse takes a unique prefix of a flag too (``--row`` for ``--rows``), as the scripts are run."""
+    unknown = set()
+    for script, flag in documented_flags(path.read_text()):
+        source = REPO / script
+        if not source.is_file():
+            unknown.add(f"{script} (no such script)")
+            continue
+        flags = script_flags(source)
+        if not any(f == flag or f.startswith(flag) for f in flags):
+            unknown.add(f"{script} {flag}")
+    assert not unknown, f"{rel(path)}: commands with flags their script does not take: {sorted(unknown)}"
+
+
+# ---- (d) relative links resolve ----------------------------------------------------------------------------------
+def anchors(path: Path) -> set:
+    """GitHub's heading anchors: lower case, punctuation dropped but hyphens, spaces as hyphens."""
+    found = set()
+    for line in path.read_text().splitlines():
+        heading = re.match(r"#{1,6}\s+(.*)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            found.add(slug)
+    return found
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=rel)
+def test_relative_links_resolve(path: Path):
+    broken = []
+    for target in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        linked = (path.parent / file_part).resolve() if file_part else path
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            broken.append(target)
+    assert not broken, f"{rel(path)}: links that do not resolve: {broken}"
+
+
+# ---- (e) licence headers ------------------------------------------------------------------------------------------
+SPDX = "SPDX-License-Identifier: Apache-2.0"
+SOURCE_DIRS = ("benchmarks", "csrc", "deepspeed", "scripts", "tests")
+SKIP_DIRS = {"__pycache__", "build", ".venv", "out"}
+
+
+def source_files() -> Iterator[Path]:
+    for top in SOURCE_DIRS:
+        for path in sorted((REPO / top).rglob("*")):
+            if path.is_file() and not SKIP_DIRS & set(path.relative_to(REPO).parts) and \
+                    path.suffix in (".py", ".sh", ".cpp", ".h", ".cu", ".cuh"):
+                yield path
+    yield REPO / "setup.py"
+    yield REPO / ".ci" / "run"
+
+
+def has_header(path: Path) -> bool:
+    lines = path.read_text().splitlines()
+    if lines and lines[0].startswith("#!"):
+        lines = lines[1:]
+    comment = "//" if path.suffix in (".cpp", ".h", ".cu", ".cuh") else "#"
+    return bool(lines) and lines[0] == f"{comment} {SPDX}"
+
+
+def test_every_source_file_has_the_spdx_header():
+    missing = [rel(p) for p in source_files() if not has_header(p)]
+    assert not missing, f"files without '{SPDX}' as their first line (after a shebang): {missing}"
