@@ -132,3 +132,59 @@ def test_one_ranks_compile_failure_stops_every_rank_then_all_run_eager_zero3_tog
     assert "an injected compile failure" in results[1]["raised"], results[1]
     assert "rank 1 failed: compiling a graph failed (RuntimeError: an injected compile failure)" in \
         results[0]["raised"], results[0]
+
+
+def _rank_batch_fails_to_compile_on_rank_1() -> dict:
+    """Step 1 gives rank 1 alone a batch of a new length: rank 1 compiles again, and that compile fails (an injected
+    error), while rank 0 runs the graph it has. Both must stop in step 1 and go on as eager ZeRO-3 together."""
+    from deepspeed.compile.capture import compiler
+    from models import ds_config, make_batch
+    from training import make_engine
+    rank = torch.distributed.get_rank()
+
+    def batch(step):
+        x, y = make_batch("gpt", step, rank)
+        return (x[:, :12], y[:, :12]) if step == 1 and rank == 1 else (x, y)
+
+    def step(engine, n):
+        loss = engine(*batch(n))
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    eager = make_engine("gpt", ds_config(3))
+    eager_losses = [step(eager, n) for n in (0, 2, 3)]  # the failed step 1 is skipped
+    eager.destroy()
+    compiles = []
+    original = compiler.GraphCompiler._compile_forward
+
+    def second_fails_on_rank_1(self, gm, example_inputs):
+        compiles.append(1)
+        if rank == 1 and len(compiles) > 1:
+            raise RuntimeError("an injected failure compiling the new length")
+        return original(self, gm, example_inputs)
+
+    compiler.GraphCompiler._compile_forward = second_fails_on_rank_1
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": "shm"}))
+    engine.compile(backend="eager")
+    losses = [step(engine, 0)]
+    try:
+        step(engine, 1)
+        raised = None
+    except Exception as err:
+        raised = f"{type(err).__name__}: {err}"
+    active = engine.is_deepcompile_active()
+    losses += [step(engine, n) for n in (2, 3)]
+    return {"raised": raised, "active": active, "compiles": len(compiles), "losses": losses,
+            "eager_losses": eager_losses}
+
+
+def test_a_batch_that_fails_to_compile_on_one_rank_stops_every_rank_then_all_run_eager_zero3_together():
+    rank0, rank1 = run_distributed(_rank_batch_fails_to_compile_on_rank_1, timeout_s=150)
+    assert rank0["compiles"] == 1 and rank1["compiles"] == 2, (rank0, rank1)  # only rank 1 compiled again
+    assert "an injected failure compiling the new length" in rank1["raised"], rank1
+    assert "rank 1 failed: compiling a graph failed (RuntimeError: an injected failure compiling the new length)" \
+        in rank0["raised"], rank0
+    for r in (rank0, rank1):
+        assert not r["active"], r
+        assert r["losses"] == r["eager_losses"], r

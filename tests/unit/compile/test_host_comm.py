@@ -84,22 +84,26 @@ def test_waits_on_different_channels_in_different_orders_on_different_ranks_comp
 
 def _rank_absent_peer() -> dict:
     rank = dist.get_rank()
-    channel = HostComm(None, 0, 64, reduce_slots=2).reduce
+    host = HostComm(None, 0, 64, reduce_slots=2)
     if rank == 1:  # never starts the collective
         dist.barrier()
         return {"rank": 1}
-    work = channel.start(4, lambda slot: slot.view(torch.float32).fill_(1.0), lambda rows: None)
-    t0 = time.monotonic()
-    completed = work.wait(datetime.timedelta(seconds=0.5))
-    waited = time.monotonic() - t0
+    work = host.reduce.start(4, lambda slot: slot.view(torch.float32).fill_(1.0), lambda rows: None)
+    t0, cpu0 = time.monotonic(), time.process_time()
+    completed = work.wait(datetime.timedelta(seconds=2))
+    waited, cpu = time.monotonic() - t0, time.process_time() - cpu0
     dist.barrier()
-    return {"rank": 0, "completed": completed, "waited": waited}
+    return {"rank": 0, "completed": completed, "waited": waited, "cpu": cpu, "default_timeout": host.timeout}
 
 
-def test_a_wait_gives_up_at_its_timeout_when_a_rank_never_joins():
+def test_a_wait_gives_up_at_its_timeout_when_a_rank_never_joins_without_burning_its_core():
     result = next(r for r in run_distributed(_rank_absent_peer, timeout_s=60) if r["rank"] == 0)
     assert result["completed"] is False
-    assert 0.4 < result["waited"] < 30
+    assert 1.9 < result["waited"] < 30
+    # spinning, or yielding a core nobody else wants, costs the whole wait in CPU time; sleeping costs little
+    assert result["cpu"] < 0.25 * result["waited"], result
+    # with no timeout of its own a wait takes the process group's (the harness sets 60 s), not a fixed default
+    assert result["default_timeout"] == datetime.timedelta(seconds=60), result
 
 
 def _rank_mismatch() -> str:
@@ -242,12 +246,15 @@ def _small_tmpfs(mib: int):
     return directory
 
 
-def test_a_directory_too_small_for_the_segments_is_agreed_at_set_up_not_a_crash_later():
-    directory = _small_tmpfs(1)
+@pytest.mark.parametrize("mib", [1, 6])
+def test_a_directory_too_small_for_the_segments_is_agreed_at_set_up_not_a_crash_later(mib):
+    """4 MiB a rank in 1 MiB (too small for any rank) or in 6 MiB (enough free space for each rank alone, not for
+    both: the space must be reserved, not only checked). A lazily backed file would set up fine and die of SIGBUS at
+    its first write."""
+    directory = _small_tmpfs(mib)
     if directory is None:
         pytest.skip("mounting a tmpfs needs root (the unshared-directory test covers the fallback without it)")
     try:
-        # 4 MiB a rank in 1 MiB: a lazily backed file would set up fine and die of SIGBUS at its first write
         for r in run_distributed(_rank_set_up, [directory], "auto", 4 << 20, timeout_s=60):
             assert r == {"outcome": "gloo", "left": [], "mapped_open": 0, "mapped_closed": 0}, r
         for r in run_distributed(_rank_set_up, [directory], "shm", 4 << 20, timeout_s=60):
