@@ -119,9 +119,9 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
     # what the graph ops name a parameter by: its ds_id (ZeRO-3) or the runtime's key (ZeRO-1/2)
     names = ({p.ds_id: name for name, p in compiled.module.named_parameters()} if stage == 3
              else {key: state.runtime._names[key] for key in state.runtime.params})
-    out.update({"active": compiled.is_deepcompile_active(), "counters": vars(state.runtime.counters).copy(),
-                "host_comm": state.runtime.host_comm,  # how its collectives went between the ranks
-                "saved": vars(state.stats.saved).copy(), "graphs": state.stats.graphs_compiled,
+    out.update(compiled_record(compiled))
+    out.update({"host_comm": state.runtime.host_comm,  # how its collectives went between the ranks
+                "saved": vars(state.stats.saved).copy(),
                 # the largest gathered bytes any compiled graph's schedule holds at once (schedule/memory_plan.py)
                 "planned_peak": state.stats.planned_peak_gathered_bytes,
                 # a graph ran uncompiled on parameters other than those it was traced with (bind_to_traced_params)
@@ -133,11 +133,24 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
                 "gathered_params": sorted({names[key] for order in state.stats.collective_orders
                                            for op, key in order if op == "gather"}),
                 # coalesced runs the last step gathered (ZeRO-3, regions='blocks': the runtime's record of them)
-                "runs_per_step": len(state.runtime.runs.last_step) if stage == 3 else 0,
-                # parameters ZeRO-3 keeps whole (stage3_param_persistence_threshold): never gathered by the graphs
-                "persistent": len(state.runtime.persistent) if stage == 3 else 0})
+                "runs_per_step": len(state.runtime.runs.last_step) if stage == 3 else 0})
     compiled.destroy()
     return out
+
+
+def compiled_record(engine) -> Dict[str, Any]:
+    """What :func:`assert_ran_compiled` reads of an engine that was compiled with DeepCompile (before it is
+    destroyed): whether DeepCompile is active, its ZeRO stage, the graphs compiled, the runtime's counters, and
+    (ZeRO-3) how many parameters the graphs gather and how many ZeRO-3 keeps whole."""
+    state = state_of(engine, active_only=False)
+    assert state is not None, "the engine was never compiled with DeepCompile"
+    stage, runtime = engine.zero_optimization_stage(), state.runtime
+    return {"active": engine.is_deepcompile_active(), "stage": stage, "graphs": state.stats.graphs_compiled,
+            "counters": vars(runtime.counters).copy(),
+            # parameters ZeRO-3 keeps whole (stage3_param_persistence_threshold): never gathered by the graphs;
+            # the others are sharded, and only the graphs' gathers can give them their values
+            "persistent": len(runtime.persistent) if stage == 3 else 0,
+            "sharded": len(runtime.sharded) if stage == 3 else 0}
 
 
 def run_pair(model: str, steps: int, dtype: str = "fp32", compile_section: Optional[Dict[str, Any]] = None,
@@ -170,17 +183,28 @@ def assert_one_graph_serves_both_blocks(r: Dict[str, Any]) -> None:
     assert not r["ran_uncompiled"]
 
 
-def assert_ran_compiled(r: Dict[str, Any]) -> None:
-    """What :func:`run_compiled` returned came from compiled graphs, not from eager ZeRO under an active flag: graphs
-    were compiled, and they reduced the gradients (ZeRO-3: and gathered parameters; ZeRO-1/2: no gradient came from
-    eager code). A parity check alone passes when nothing was compiled, since eager ZeRO matches itself."""
+def assert_ran_compiled(r: Dict[str, Any], eager_access: bool = False) -> None:
+    """What :func:`run_compiled` (or :func:`compiled_record`) returned came from compiled graphs, not from eager ZeRO
+    under an active flag: graphs were compiled and they reduced the gradients; ZeRO-1/2: no gradient came from eager
+    code; ZeRO-3: the graphs gathered the sharded parameters (a model with none, every parameter persistent, says so
+    and gathers nothing), and no parameter was gathered for code outside them unless the test accesses parameters
+    eagerly (``eager_access``: then some were, by ZeRO-3's own gather). A parity check alone passes when nothing was
+    compiled, since eager ZeRO matches itself."""
     c = r["counters"]
     assert r["active"] and r["graphs"] >= 1, (r["active"], r["graphs"])
     assert c["reduces"] > 0, c
-    if "eager_grads" in c:  # ZeRO-1/2
+    if r["stage"] in (1, 2):
         assert c["eager_grads"] == 0, c
+        return
+    assert r["stage"] == 3, r["stage"]
+    if r["sharded"]:
+        assert c["gathers"] > 0, c
+    else:  # every parameter persistent: the graphs read them as they are
+        assert r["persistent"] > 0 and c["gathers"] == 0, (r["persistent"], c)
+    if eager_access:
+        assert c["eager_gathers"] > 0, c
     else:
-        assert c["gathers"] > 0 or r["persistent"] > 0, c
+        assert c["eager_gathers"] == 0, c
 
 
 def assert_bitwise_equal(r: Dict[str, Any]) -> None:

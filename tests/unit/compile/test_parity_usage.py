@@ -239,9 +239,13 @@ def _engine(model, stage, section, **config):
 
 
 def _trained(engine, losses):
-    """What a run of the tests below compares, and the engine destroyed."""
-    from compare import full_params
+    """What a run of the tests below compares (and, of a DeepCompile engine, what ``assert_ran_compiled`` reads), and
+    the engine destroyed."""
+    from compare import compiled_record, full_params
+    from deepspeed.compile.engine_state import state_of
     out = {"losses": losses, "params": full_params(engine), "active": engine.is_deepcompile_active()}
+    if state_of(engine, active_only=False) is not None:
+        out.update(compiled_record(engine))
     engine.destroy()
     return out
 
@@ -295,10 +299,11 @@ def test_two_forwards_one_backward_matches_eager_and_separate_backwards_are_refu
     gathered another parameter than the one its graph saved (every parameter's emptied ``.data`` has one address) and
     failed on a shape ("mat2 must be a matrix"), and ZeRO-2 named a gradient from eager code that was not one. One
     loss back-propagated twice (``retain_graph=True``), which eager ZeRO-1/2 train, is refused the same way."""
-    from compare import rel_diffs
+    from compare import assert_ran_compiled, rel_diffs
     for by_stage in run_distributed(_two_forward_runs, timeout_s=400):
         for stage, r in by_stage.items():
             assert "error" not in r["eager"] and "error" not in r["deepcompile"], (stage, r)
+            assert_ran_compiled(r["deepcompile"])
             worst = max(rel_diffs(r["deepcompile"]["params"], r["eager"]["params"]).values())
             print(f"ZeRO-{stage}, two forwards, one backward: parameters {worst:.2g} off eager ZeRO's (norm-wise)")
             assert worst < 1e-6, (stage, worst)
@@ -335,10 +340,10 @@ def test_module_called_directly_trains_as_eager_zero():
     ``engine.backward()``: bitwise eager ZeRO at every stage. At ZeRO-1/2 such a forward ran outside the runtime's
     forward context, which opens the step its backward ends, and the backward failed (a ``KeyError`` in the gradient
     bookkeeping); direct calls are now wrapped at every stage, as they were at ZeRO-3."""
-    from compare import unequal
+    from compare import assert_ran_compiled, unequal
     for by_stage in run_distributed(_direct_call_pairs):
         for stage, (eager, compiled) in by_stage.items():
-            assert compiled["active"], stage
+            assert_ran_compiled(compiled)
             assert compiled["losses"] == eager["losses"], (stage, compiled["losses"], eager["losses"])
             assert not unequal(compiled["params"], eager["params"]), (stage, unequal(compiled["params"],
                                                                                       eager["params"]))
@@ -392,9 +397,9 @@ def test_input_gradient_does_not_train_the_parameters():
     ZeRO-1/2 fail on this pattern in DeepSpeed's own backward hook, an IndexError, so those stages have no
     reference here.) ``torch.autograd.grad`` with respect to the parameters, which eager ZeRO-3 answers, raises a
     named error instead of answering None."""
-    from compare import rel_diffs, unequal
+    from compare import assert_ran_compiled, rel_diffs, unequal
     for eager, compiled, eager_param_grads, param_grads in run_distributed(_adversarial_pair):
-        assert compiled["active"]
+        assert_ran_compiled(compiled)
         worst = max(rel_diffs(compiled["params"], eager["params"]).values())
         assert not unequal(compiled["params"], eager["params"]), f"parameters {worst:.3g} off eager ZeRO-3's"
         assert compiled["losses"] == eager["losses"], (compiled["losses"], eager["losses"])
@@ -498,13 +503,14 @@ def test_world_size_4_matches_eager_zero3():
     shared memory here (compile.host_comm, all ranks on one host), which adds the 4 terms in rank order: another
     association, the same bound. With 2 ranks a + b == b + a and everything is bitwise equal (test_pipeline.py). SGD,
     so parameters carry the gradients' scale."""
-    from compare import max_rel_diff, rel_diffs, unequal
+    from compare import assert_ran_compiled, max_rel_diff, rel_diffs, unequal
     results = run_distributed(_world4_pairs, world_size=4, timeout_s=400)
     assert len(results) == 4
     for world_size, pairs in results:
         assert world_size == 4
         for model, r in pairs.items():
-            assert r["active"] and r["live_after_step"] == [0] * 3, model
+            assert_ran_compiled(r)
+            assert r["live_after_step"] == [0] * 3, model
             worst = {"loss": max_rel_diff(r["eager_losses"], r["losses"]),
                      "grad_norm": max_rel_diff(r["eager_grad_norms"], r["grad_norms"]),
                      "params": max(rel_diffs(r["params"], r["eager_params"]).values())}
@@ -593,24 +599,37 @@ def test_fp16_dynamic_loss_scaling_matches_eager_zero(stage):
         assert 0 < max(rel_diffs(unscaled, fp32_grads).values()) < 0.01
 
 
-def _fp16_auto_cast():
-    """fp16 with ``auto_cast``: the engine casts fp32 inputs to fp16 (in eager ZeRO-3, its forward pre-hook)."""
+def _fp16_auto_cast(section):
+    """fp16 with ``auto_cast``: the engine casts fp32 inputs to fp16 (in eager ZeRO-3, its forward pre-hook). Three
+    steps; the loss's dtype of each."""
     import torch.distributed as dist
-    from models import ds_config, make_batch
-    from training import make_engine
+    from models import make_batch
     _allow_fp16_on_cpu()
-    engine = make_engine("mlp", ds_config(3, {"deepcompile": True}, "fp16", fp16_auto_cast=True))
-    engine.compile(backend="eager")
-    loss = engine(*make_batch("mlp", 0, dist.get_rank()))  # fp32 inputs
-    engine.backward(loss)
-    engine.step()
-    return loss.dtype, engine.is_deepcompile_active()
+    engine = _engine("mlp", 3, section, dtype="fp16", fp16_auto_cast=True)
+    losses, dtypes = [], []
+    for step in range(3):
+        loss = engine(*make_batch("mlp", step, dist.get_rank()))  # fp32 inputs
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        dtypes.append(loss.dtype)
+    return {"dtypes": dtypes, **_trained(engine, losses)}
+
+
+def _fp16_auto_cast_pair():
+    return _fp16_auto_cast(None), _fp16_auto_cast({"deepcompile": True})
 
 
 def test_fp16_auto_cast_casts_inputs_under_deepcompile():
-    """DeepSpeed's engine casts inputs in a forward pre-hook it removes under DeepCompile; init_z3 casts them."""
-    for dtype, active in run_distributed(_fp16_auto_cast):
-        assert active and dtype == torch.float16
+    """DeepSpeed's engine casts inputs in a forward pre-hook it removes under DeepCompile; init_z3 casts them: the
+    compiled engine computes in fp16 from fp32 inputs and trains bitwise as eager ZeRO-3 does (the same fp16
+    arithmetic, as ``test_fp16_dynamic_loss_scaling_matches_eager_zero``)."""
+    from compare import assert_ran_compiled, unequal
+    for eager, compiled in run_distributed(_fp16_auto_cast_pair):
+        assert_ran_compiled(compiled)
+        assert eager["dtypes"] == compiled["dtypes"] == [torch.float16] * 3, (eager["dtypes"], compiled["dtypes"])
+        assert compiled["losses"] == eager["losses"], (compiled["losses"], eager["losses"])
+        assert not unequal(compiled["params"], eager["params"]), unequal(compiled["params"], eager["params"])
 
 
 def _two_engines():
