@@ -184,13 +184,13 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         logger.error(f"deepspeed-compile: compiling a graph failed ({type(err).__name__}: {err}); the engine "
                      f"runs uncompiled eager ZeRO-{stage} from the next step on (engine.compile() tries again)")
         # the other ranks must not go on with the graphs either: they stop at their next collective, naming this rank
-        # and the cause, and fall back as this one does (on_peer_failure), so the ranks stay on one path
+        # and the cause, and fall back as this one does (HostComm.on_diverged), so the ranks stay on one path
         runtime.post_failure(f"compiling a graph failed ({type(err).__name__}: {err}); it runs uncompiled eager "
                              f"ZeRO-{stage} from the next step on")
         deactivate(engine, uncompile=True)
 
     if runtime.host is not None:
-        runtime.host.on_peer_failure = lambda message: deactivate(engine, uncompile=True)
+        runtime.host.on_diverged = lambda why: deactivate(engine, uncompile=True)
     # the engine calls this when DeepCompile is switched off and at destroy: the runtime's segments go then
     engine._deepcompile_dynamo_config_restore = runtime.close
 

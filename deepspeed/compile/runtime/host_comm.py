@@ -181,11 +181,13 @@ class Channel:
         for r in self._others:
             theirs = tuple(int(v) for v in self._meta[r][2:, s])
             if theirs != mine:
-                raise self.host.fail(HostCommError(
+                err = self.host.fail(HostCommError(
                     f"deepspeed-compile: the ranks started different collectives through shared memory "
                     f"(compile.host_comm): as collective #{work.seq} of the {self.label} channel, rank {self.rank} "
                     f"started the {_describe(*mine)} and rank {r} the {_describe(*theirs)}. Every rank must issue the "
                     "same collectives in the same order: the ranks went down different paths"))
+                self.host.diverged(f"rank {r} started another collective")
+                raise err
         work.result = work.take([self._data[r][s, :work.nbytes] for r in range(self.world_size)])
         work.take = None
         self._consumed[self.rank][s] = work.seq + 1
@@ -493,8 +495,9 @@ class HostComm:
         self.reduce = Channel(self, "reduce", maps, reduce_at, reduce_slot_bytes, reduce_slots)
         self.channels = [c for c in (self.gather, self.reduce) if c is not None]
         self.closed = False
-        # called with a peer's posted failure before a wait raises it: the runtime's owner falls back as the peer did
-        self.on_peer_failure: Optional[Callable[[str], None]] = None
+        # called (with why) before a wait raises because the ranks cannot go on down one path: a peer posted a failure,
+        # or started another collective; the runtime's owner falls back to eager ZeRO, as the peers do
+        self.on_diverged: Optional[Callable[[str], None]] = None
 
     # ----- waits -----------------------------------------------------------------------------------------------
     def poll_until(self, ready: Callable[[], bool], deadline: float, channel: Channel, work: Work) -> bool:
@@ -537,10 +540,11 @@ class HostComm:
                 why = "exited: its process is gone"
             else:
                 continue
-            if state == _FAILED and self.on_peer_failure is not None:
-                self.on_peer_failure(self._message(r))
-            raise self.fail(HostCommError(f"deepspeed-compile: rank {r} {why}, while rank {self.rank} waits for "
+            err = self.fail(HostCommError(f"deepspeed-compile: rank {r} {why}, while rank {self.rank} waits for "
                                           f"{waiting_for()}"), post=state != _FAILED)
+            if state == _FAILED:
+                self.diverged(why)
+            raise err
 
     def _gone(self, r: int) -> bool:
         """Whether rank ``r``'s process has ended: the kernel released the lock it held on its segment."""
@@ -562,6 +566,10 @@ class HostComm:
         naming this rank and ``message``, instead of waiting for collectives this rank will not start."""
         if not self.closed:
             self._segments.set_state(_FAILED, message)
+
+    def diverged(self, why: str) -> None:
+        if self.on_diverged is not None:
+            self.on_diverged(why)
 
     def fail(self, err: HostCommError, post: bool = True) -> HostCommError:
         """``err``, posted to the peers first (they stop too); for ``raise self.fail(...)``."""

@@ -188,3 +188,35 @@ def test_a_batch_that_fails_to_compile_on_one_rank_stops_every_rank_then_all_run
     for r in (rank0, rank1):
         assert not r["active"], r
         assert r["losses"] == r["eager_losses"], r
+
+
+def _rank_recompile_limit_on_rank_1() -> dict:
+    """Step 1 gives rank 1 alone a batch of a new length, with static shapes and a recompile limit of 1 on rank 1
+    only: rank 1 runs the model uncompiled (dynamo's fallback), gathering through ZeRO-3's own all-gathers on the
+    process group, while rank 0 runs its graph's gathers through shared memory. This is not agreed across ranks
+    (``docs/design.md``): what must hold is that no rank hangs, and the error names the collective."""
+    from models import ds_config, make_batch
+    from training import make_engine
+    rank = torch.distributed.get_rank()
+    if rank == 1:
+        torch._dynamo.config.recompile_limit = 1
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": "shm", "collective_timeout_s": 5}))
+    engine.compile(backend="eager", compile_kwargs={"dynamic": False})
+    t0 = time.monotonic()
+    try:
+        for n in (0, 1):
+            x, y = make_batch("gpt", n, rank)
+            loss = engine(*((x[:, :12], y[:, :12]) if n == 1 and rank == 1 else (x, y)))
+            engine.backward(loss)
+            engine.step()
+        raised = None
+    except Exception as err:
+        raised = f"{type(err).__name__}: {err}"
+    return {"rank": rank, "raised": raised, "seconds": time.monotonic() - t0}
+
+
+def test_a_recompile_limit_reached_on_one_rank_only_is_an_error_not_a_hang():
+    rank0, rank1 = run_distributed(_rank_recompile_limit_on_rank_1, timeout_s=150)
+    assert "the all-gather of parameter" in rank0["raised"] and "compile.collective_timeout_s" in rank0["raised"], rank0
+    for r in (rank0, rank1):
+        assert r["raised"] is not None and r["seconds"] < 45, r  # the process group's timeout here is 60 s

@@ -68,8 +68,15 @@ def _rank_cross_channels() -> dict:
     wait completes only if it moves the channel it does not wait on."""
     rank, world = dist.get_rank(), dist.get_world_size()
     host = HostComm(None, 4 * 64, 4 * 64, gather_slots=1, reduce_slots=1)
+    # rank 0 starts all four before rank 1 starts any (a start moves its own channel as far as it can): then rank 1's
+    # starts read both first collectives, and each rank's second reduce can be written only once rank 0 has read
+    # rank 1's first reduce, which it does while it waits for a gather
+    if rank == 1:
+        dist.barrier()
     works = {name: [_start_sent(channel, seq, 16, rank) for seq in range(2)]
              for name, channel in (("gather", host.gather), ("reduce", host.reduce))}
+    if rank == 0:
+        dist.barrier()
     order = ("gather", "reduce") if rank == 0 else ("reduce", "gather")
     ok = True
     for name in order:
@@ -248,16 +255,16 @@ def _small_tmpfs(mib: int):
 
 @pytest.mark.parametrize("mib", [1, 6])
 def test_a_directory_too_small_for_the_segments_is_agreed_at_set_up_not_a_crash_later(mib):
-    """4 MiB a rank in 1 MiB (too small for any rank) or in 6 MiB (enough free space for each rank alone, not for
-    both: the space must be reserved, not only checked). A lazily backed file would set up fine and die of SIGBUS at
-    its first write."""
+    """A segment of just over 4 MiB a rank (4 reduce slots of 1 MiB) in 1 MiB (too small for any rank) or in 6 MiB
+    (enough free space for each rank alone, not for both: the space must be reserved, not only checked). A lazily
+    backed file would set up fine and die of SIGBUS at its first write."""
     directory = _small_tmpfs(mib)
     if directory is None:
         pytest.skip("mounting a tmpfs needs root (the unshared-directory test covers the fallback without it)")
     try:
-        for r in run_distributed(_rank_set_up, [directory], "auto", 4 << 20, timeout_s=60):
+        for r in run_distributed(_rank_set_up, [directory], "auto", 1 << 20, timeout_s=60):
             assert r == {"outcome": "gloo", "left": [], "mapped_open": 0, "mapped_closed": 0}, r
-        for r in run_distributed(_rank_set_up, [directory], "shm", 4 << 20, timeout_s=60):
+        for r in run_distributed(_rank_set_up, [directory], "shm", 1 << 20, timeout_s=60):
             assert "No space left" in r["outcome"] or "MiB free" in r["outcome"], r
     finally:
         subprocess.run(["umount", directory], check=True)
