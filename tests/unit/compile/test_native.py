@@ -18,7 +18,9 @@ from distributed import run_distributed
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # parameter sizes: divisible by 2 ranks, not divisible (37: padded to 2 x 19), and a larger one
 PARAM_NUMELS = (36, 37, 4099)
-LATE_S = 0.4  # how late rank 1 starts the collectives whose start must not block
+# how late rank 1 starts the collectives whose start must not block: rank 0's two starts must return within half of
+# it (a start that blocked would wait all of it for rank 1), a bound a loaded machine's scheduling cannot reach
+LATE_S = 3.0
 
 
 def require_buildable(reasons: List[str], under_ci: bool) -> None:
