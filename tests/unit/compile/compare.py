@@ -121,6 +121,8 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
              else {key: state.runtime._names[key] for key in state.runtime.params})
     out.update(compiled_record(compiled))
     out.update({"host_comm": state.runtime.host_comm,  # how its collectives went between the ranks
+                # why compile.host_comm "auto" may not use shared memory on this machine, or None (a collective)
+                "shm_unavailable": shm_unavailable(compiled),
                 "saved": vars(state.stats.saved).copy(),
                 # the largest gathered bytes any compiled graph's schedule holds at once (schedule/memory_plan.py)
                 "planned_peak": state.stats.planned_peak_gathered_bytes,
@@ -136,6 +138,13 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
                 "runs_per_step": len(state.runtime.runs.last_step) if stage == 3 else 0})
     compiled.destroy()
     return out
+
+
+def shm_unavailable(engine) -> Optional[str]:
+    """Why the engine's ranks cannot share memory for the runtime's collectives (the rule ``compile.host_comm`` "auto"
+    resolves by), or None: where it says why, "auto" goes through the process group. A collective."""
+    from deepspeed.compile.runtime.host_comm import host_comm_unavailable
+    return host_comm_unavailable(engine.optimizer.dp_process_group, torch.device(engine.device))
 
 
 def compiled_record(engine) -> Dict[str, Any]:
