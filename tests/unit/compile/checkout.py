@@ -9,6 +9,12 @@ import os
 import sys
 import warnings
 
+# MKL's matrix products may round differently for the same values at different memory alignments (conditional numerical
+# reproducibility off, MKL's default; seen on AMD EPYC, where one ZeRO-2 weight gradient differed from eager ZeRO-2's
+# by one ulp in one element, on either transport, whichever way the graph computed it). The tests compare DeepCompile with eager ZeRO bit for bit, so every process
+# they start uses MKL's strict mode, read at MKL's first call: set here, before anything imports torch.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 PACKAGE_DIR = os.path.join(REPO_ROOT, "deepspeed", "compile")
 
