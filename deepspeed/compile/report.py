@@ -40,6 +40,7 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
     # "shm": the collectives through shared memory between the ranks of this host (compile.host_comm)
     report["host_comm"] = runtime.host_comm
     report["host_comm_bytes"] = 0 if runtime.host is None else runtime.host.bytes  # this rank's shared segments
+    report["host_comm_reason"] = runtime.host_comm_reason  # why not shared memory (None where it is)
     if state.stage != 3:
         report["eager_grads"] = c.eager_grads
         report["reduces_started_ahead"] = c.reduces_started_ahead  # ZeRO-2 bucket reductions left in flight

@@ -300,8 +300,8 @@ def heap_frame_function(gm: GraphModule) -> Callable:
 def _direct_op_calls(source: str, gm: GraphModule, namespace: Dict[str, Any]) -> str:
     """The graph's source with each ATen op called through the C++ function behind its ``OpOverload``
     (``torch.ops.aten.mm.default(...)`` -> ``aten_mm_default(...)``, bound in ``namespace``): the same dispatcher
-    call, without four attribute lookups and ``OpOverload.__call__``'s Python frame, on every op of the graph (2-3 us
-    of the 8-13 a small op costs from Python on this project's machines: ``benchmarks/op_dispatch.py``). Only plain
+    call, without four attribute lookups and ``OpOverload.__call__``'s Python frame, on every op of the graph (a
+    sizable part of what a small op costs from Python: ``benchmarks/op_dispatch.py`` measures it). Only plain
     ``OpOverload``s: a subclass (TorchBind ops) decides in Python how to dispatch."""
     ops = {n.target for n in gm.graph.nodes if n.op == "call_function" and type(n.target) is torch._ops.OpOverload}
     scope = {}  # compiled once as it is (at compile time, not per call) for the names its code binds

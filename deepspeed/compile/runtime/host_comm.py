@@ -600,19 +600,19 @@ def _attempt(step: Callable[[], None]) -> Optional[str]:
 
 
 def open_host_comm(mode: str, group, device: torch.device, gather_slot_bytes: int, reduce_slot_bytes: int,
-                   directory: str = DEFAULT_DIR) -> Optional[HostComm]:
-    """``compile.host_comm``: ``"gloo"`` None; ``"shm"`` shared memory or a ``ValueError`` saying why not; ``"auto"``
-    shared memory where every rank is on this host (CPU, gloo, x86-64) and can set up its segments in ``directory``,
-    else None, with one warning saying why when the segments could not be set up. ``gather_slot_bytes`` 0: no gather
-    channel. Every rank gets the same answer."""
+                   directory: str = DEFAULT_DIR) -> Tuple[Optional[HostComm], Optional[str]]:
+    """``compile.host_comm``: the transport and, where it is not shared memory, why. ``"gloo"``: none. ``"shm"``:
+    shared memory or a ``ValueError`` saying why not. ``"auto"``: shared memory where every rank is on this host (CPU,
+    gloo, x86-64) and can set up its segments in ``directory``, else none, with one warning saying why when the
+    segments could not be set up. ``gather_slot_bytes`` 0: no gather channel. Every rank gets the same answer."""
     if mode not in HOST_COMM_MODES:
         raise ValueError(f"compile.host_comm: {mode!r} is not one of {', '.join(HOST_COMM_MODES)}")
     if mode == "gloo":
-        return None
+        return None, "compile.host_comm is 'gloo'"
     reason = host_comm_unavailable(group, device, directory)
     if reason is None:
         try:
-            return HostComm(group, gather_slot_bytes, reduce_slot_bytes, directory)
+            return HostComm(group, gather_slot_bytes, reduce_slot_bytes, directory), None
         except HostCommError as err:
             reason = f"setting up its segments failed on {err}"
             if mode == "auto":
@@ -620,4 +620,4 @@ def open_host_comm(mode: str, group, device: torch.device, gather_slot_bytes: in
                             f"process group, not shared memory: {reason}")
     if mode == "shm":
         raise ValueError(f"compile.host_comm='shm' cannot be used: {reason}")
-    return None
+    return None, reason

@@ -86,9 +86,10 @@ class Z12Runtime:
         # the bucket all-reduces the flush starts itself (ZeRO-2's) through shared memory where every rank is on this
         # host (compile.host_comm); ZeRO's own paths (ZeRO-1's among them) go through the process group
         numel = sum(p.numel() for group in self.optimizer.bit16_groups for p in group)
-        self.host = open_host_comm(host_comm, self.optimizer.dp_process_group, torch.device(engine.device),
-                                   gather_slot_bytes=0, reduce_slot_bytes=min(REDUCE_SLOT_BYTES, numel * 4),
-                                   directory=host_comm_dir) if self.flush.overlapped else None
+        self.host, self.host_comm_reason = open_host_comm(
+            host_comm, self.optimizer.dp_process_group, torch.device(engine.device), gather_slot_bytes=0,
+            reduce_slot_bytes=min(REDUCE_SLOT_BYTES, numel * 4), directory=host_comm_dir) \
+            if self.flush.overlapped else (None, "ZeRO's own reductions (not overlapped) go through the process group")
         self.host_comm = "gloo" if self.host is None else "shm"
         self.flush.host = None if self.host is None else self.host.reduce
         self.optimizer.reduce_ipg_grads = self.flush.reduce_ipg_grads

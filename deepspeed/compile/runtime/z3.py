@@ -99,10 +99,10 @@ class Z3Runtime:
         # takes several), a reduce slot a chunk of a bucket of every rank's rows, neither more than the model has
         shard_numel = sum(p.ds_tensor.numel() for p in self.sharded.values())
         itemsize = max([4] + [p.ds_tensor.element_size() for p in self.sharded.values()])
-        self.host = open_host_comm(host_comm, self.group, self.device,
-                                   gather_slot_bytes=max(64, min(GATHER_CHUNK_NUMEL // self.world_size, shard_numel) * itemsize),
-                                   reduce_slot_bytes=min(REDUCE_SLOT_BYTES, shard_numel * self.world_size * itemsize),
-                                   directory=host_comm_dir)
+        self.host, self.host_comm_reason = open_host_comm(
+            host_comm, self.group, self.device,
+            gather_slot_bytes=max(64, min(GATHER_CHUNK_NUMEL // self.world_size, shard_numel) * itemsize),
+            reduce_slot_bytes=min(REDUCE_SLOT_BYTES, shard_numel * self.world_size * itemsize), directory=host_comm_dir)
         self.host_comm = "gloo" if self.host is None else "shm"
         self.reducer = GradientReducer(self.optimizer, self.params, self.group, self.world_size,
                                        int(engine.zero_reduce_bucket_size()), self.comm,

@@ -9,8 +9,8 @@ buckets are pre-divided by the world size and summed, as eager ZeRO-3 does.
 On gloo the reduce-scatter is an all-reduce of the bucket in place, of which this rank keeps its row. That is what
 torch's gloo backend runs for ``reduce_scatter_tensor`` itself (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``:
 a clone of the input, an all-reduce of the clone, a copy of this rank's chunk out), without the clone and the copy:
-the same collective on the same values, so the same sums for any number of ranks, in 0.5-0.76x the time here
-(``benchmarks/gloo_collectives.py``) and with no receive buffer.
+the same collective on the same values, so the same sums for any number of ranks, in less time
+(``benchmarks/gloo_collectives.py`` times both; ``docs/benchmarks.md``) and with no receive buffer.
 
 Where every rank is on this host (``compile.host_comm``), a bucket goes through shared memory instead, in chunks of
 columns: each rank copies its bucket's chunk into its slot, and each sums its own row of every rank's slot into its

@@ -199,8 +199,10 @@ def test_sums_over_two_ranks_are_gloos_bit_for_bit_chunk_by_chunk():
 def test_shm_where_it_cannot_be_used_is_an_error_naming_the_option_and_why():
     with pytest.raises(ValueError, match=r"compile.host_comm='shm' cannot be used: the runtime's device is meta"):
         open_host_comm("shm", None, torch.device("meta"), 64, 64)
-    assert open_host_comm("auto", None, torch.device("meta"), 64, 64) is None  # auto: the process group instead
-    assert open_host_comm("gloo", None, torch.device("cpu"), 64, 64) is None
+    # auto: the process group instead, saying why
+    meta = torch.device("meta")
+    assert open_host_comm("auto", None, meta, 64, 64) == (None, "the runtime's device is meta, not cpu")
+    assert open_host_comm("gloo", None, torch.device("cpu"), 64, 64) == (None, "compile.host_comm is 'gloo'")
 
 
 def _mapped_segments() -> list:
@@ -212,8 +214,9 @@ def _rank_set_up(dirs: list, mode: str, reduce_bytes: int) -> dict:
     """``open_host_comm`` in this rank's directory of ``dirs``: what it returned or raised, what it left there."""
     directory = dirs[dist.get_rank() % len(dirs)]
     try:
-        host = open_host_comm(mode, None, torch.device("cpu"), 0, reduce_bytes, directory=directory)
+        host, why = open_host_comm(mode, None, torch.device("cpu"), 0, reduce_bytes, directory=directory)
         outcome = "shm" if host is not None else "gloo"
+        assert (why is None) == (host is not None), why
     except ValueError as err:
         host, outcome = None, f"ValueError: {err}"
     dist.barrier()  # every rank's set-up over (each unlinks its own file)
