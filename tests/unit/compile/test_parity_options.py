@@ -73,10 +73,12 @@ def results():
 
 @pytest.mark.parametrize("option", sorted(FP32_OPTIONS))
 def test_fp32_option_matches_eager_zero3(results, option):
-    from compare import assert_bitwise_equal, assert_one_graph_serves_both_blocks, loss_fell
+    from compare import assert_bitwise_equal, assert_one_graph_serves_both_blocks, assert_ran_compiled, loss_fell
     for out in results:
         r = out[option]
-        assert r["active"] and r["live_after_step"] == [0] * STEPS and r["counters"]["gathers"] > 0
+        # block by block, the model's own frame runs as Python and reads two parameters eagerly (see below)
+        assert_ran_compiled(r, eager_access=option == "blocks")
+        assert r["live_after_step"] == [0] * STEPS
         # every gathered copy was used by an op: under "blocks" each run was planned on the first block and moved to
         # the block it ran on (gathering the first block's parameters there instead trains the same, at a cost)
         assert r["counters"]["unclaimed_gathers"] == 0, r["counters"]
