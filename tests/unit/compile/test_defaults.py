@@ -261,7 +261,8 @@ def test_gradients_travel_in_each_parameters_comm_dtype():
             else:
                 assert shm["host_comm"] == "shm", shm
                 assert shm["reduce_bytes"] == dc["reduce_bytes"] > 0, (precision, shm, dc)
-                assert 0 < shm["bytes"] * 100 < dc["bytes"], (precision, shm["bytes"], dc["bytes"])  # the norms' scalars
+                # through the process group: the norms' scalars only
+                assert 0 < shm["bytes"] * 100 < dc["bytes"], (precision, shm["bytes"], dc["bytes"])
             for run in (dc, shm):
                 worst = max(abs(a - b) / b for a, b in zip(run["grad_norms"], eager["grad_norms"]))
                 assert worst <= 2 ** -8, (precision, run["grad_norms"], eager["grad_norms"])
