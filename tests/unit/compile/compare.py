@@ -140,6 +140,13 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
     return out
 
 
+def assert_transport(r: Dict[str, Any], host_comm: str) -> None:
+    """The compiled engine's collectives went where ``compile.host_comm`` sends them: ``"gloo"`` the process group;
+    ``"auto"`` shared memory unless host_comm's own rule says these ranks cannot share it."""
+    expected = "gloo" if host_comm == "gloo" or r["shm_unavailable"] else "shm"
+    assert r["host_comm"] == expected, (host_comm, r["host_comm"], r["shm_unavailable"])
+
+
 def shm_unavailable(engine) -> Optional[str]:
     """Why the engine's ranks cannot share memory for the runtime's collectives (the rule ``compile.host_comm`` "auto"
     resolves by), or None: where it says why, "auto" goes through the process group. A collective."""

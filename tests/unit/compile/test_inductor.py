@@ -52,6 +52,22 @@ def check_fp32_close(r):
     return worst
 
 
+def _inductor_pair_on(host_comm: str):
+    from compare import run_pair
+    return run_pair("gpt", STEPS, backend="inductor", optimizer="sgd", grad_steps=1,
+                    compile_section={"host_comm": host_comm})
+
+
+def test_inductor_on_the_process_group_matches_eager_zero3():
+    """The fp32 case of the test below with the collectives on the process group (compile.host_comm "gloo"): the same
+    graphs (inductor's caches serve them), another transport."""
+    from compare import assert_ran_compiled, assert_transport
+    for r in run_distributed(_inductor_pair_on, "gloo", timeout_s=400):
+        assert_ran_compiled(r)
+        assert_transport(r, "gloo")
+        print("fp32 on gloo:", check_fp32_close(r))
+
+
 def test_inductor_matches_eager_zero3_and_saves_no_parameter():
     from compare import assert_one_graph_serves_both_blocks, check_bf16_against_eager, loss_fell
     for out in run_distributed(_inductor_pairs, timeout_s=540):

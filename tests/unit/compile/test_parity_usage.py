@@ -70,6 +70,9 @@ def _eval_between_steps(compile_section, grad_mode: str, persistence_threshold: 
             evaluate()
     out.update(params=full_params(engine), buffers=buffers(engine), training=engine.module.training,
                active=engine.is_deepcompile_active(), warnings=[m for m in warnings.messages if "deepspeed-compile" in m])
+    if runtime:  # where its collectives went, and why "auto" would not use shared memory here (a collective)
+        from compare import shm_unavailable
+        out.update(host_comm=runtime.host_comm, shm_unavailable=shm_unavailable(engine))
     logging.getLogger("deepspeed.compile").removeHandler(warnings)
     deepspeed.utils.logger.removeHandler(warnings)
     held.clear()  # the evaluations' graphs go before the engine
@@ -77,7 +80,7 @@ def _eval_between_steps(compile_section, grad_mode: str, persistence_threshold: 
     return out
 
 
-def _eval_pairs():
+def _eval_pairs(host_comm: str = "auto"):
     """no_grad with every parameter sharded; inference_mode with persistent parameters, which the first (eval)
     forward gathers and keeps for the training steps after it (they were kept as inference tensors, and the first
     training step failed: "Inference tensors cannot be saved for backward"); enable_grad at DeepSpeed's default reuse
@@ -87,14 +90,17 @@ def _eval_pairs():
     cases = {"no_grad": ("no_grad", 0), "inference_mode": ("inference_mode", 100),
              # DeepSpeed's default reuse distance: the forward keeps every parameter gathered for its backward
              "enable_grad": ("enable_grad", 0, int(1e9)), "enable_grad_held": ("enable_grad", 0, int(1e9), True)}
-    return {case: (_eval_between_steps(None, *args), _eval_between_steps({"deepcompile": True}, *args))
+    section = {"deepcompile": True, "host_comm": host_comm}
+    return {case: (_eval_between_steps(None, *args), _eval_between_steps(section, *args))
             for case, args in cases.items()}
 
 
-def test_eval_between_training_steps_matches_eager_zero3():
-    from compare import unequal
-    for by_case in run_distributed(_eval_pairs):
+@pytest.mark.parametrize("host_comm", ["auto", "gloo"])
+def test_eval_between_training_steps_matches_eager_zero3(host_comm):
+    from compare import assert_transport, unequal
+    for by_case in run_distributed(_eval_pairs, host_comm):
         for case, (eager, compiled) in by_case.items():
+            assert_transport(compiled, host_comm)
             assert compiled["active"] and compiled["training"], case
             assert (compiled["persistent"] > 0) == (case == "inference_mode"), (case, compiled["persistent"])
             assert compiled["eval_gathers"][0] > 0, (case, compiled)
@@ -488,28 +494,32 @@ def test_deepspeed_activation_checkpointing_is_compiled_and_matches_eager_zero3(
 WORLD4_TOL = 1e-6
 
 
-def _world4_pairs():
+def _world4_pairs(host_comm):
     import torch.distributed as dist
     from compare import run_pair
-    return dist.get_world_size(), {model: run_pair(model, 3, optimizer="sgd", grad_steps=2) for model in ("mlp", "gpt")}
+    return dist.get_world_size(), {model: run_pair(model, 3, optimizer="sgd", grad_steps=2,
+                                                   compile_section={"host_comm": host_comm})
+                                   for model in ("mlp", "gpt")}
 
 
-def test_world_size_4_matches_eager_zero3():
+@pytest.mark.parametrize("host_comm", ["auto", "gloo"])
+def test_world_size_4_matches_eager_zero3(host_comm):
     """Not bitwise: with 4 ranks the reduce-scatter adds 4 contributions per element, and gloo's order of addition
     depends on where the element sits in the flat bucket. The compiled graph's buckets (filled in backward-graph
     order) are laid out differently from eager ZeRO-3's, so a gradient may differ by the rounding of a re-associated
     4-term sum: at most 3 * 2^-24 relative to the sum of the terms' magnitudes per element; norm-wise 1e-6 relative
     is allowed (measured: 8e-9 on the MLP's fc1/head weights, bitwise on the GPT). DeepCompile's reductions go through
-    shared memory here (compile.host_comm, all ranks on one host), which adds the 4 terms in rank order: another
-    association, the same bound. With 2 ranks a + b == b + a and everything is bitwise equal (test_pipeline.py). SGD,
+    shared memory with host_comm "auto" (all ranks on one host), which adds the 4 terms in rank order: another
+    association, the same bound; with "gloo" through the process group, in gloo's order. With 2 ranks a + b == b + a and everything is bitwise equal (test_pipeline.py). SGD,
     so parameters carry the gradients' scale."""
-    from compare import assert_ran_compiled, max_rel_diff, rel_diffs, unequal
-    results = run_distributed(_world4_pairs, world_size=4, timeout_s=400)
+    from compare import assert_ran_compiled, assert_transport, max_rel_diff, rel_diffs, unequal
+    results = run_distributed(_world4_pairs, host_comm, world_size=4, timeout_s=400)
     assert len(results) == 4
     for world_size, pairs in results:
         assert world_size == 4
         for model, r in pairs.items():
             assert_ran_compiled(r)
+            assert_transport(r, host_comm)
             assert r["live_after_step"] == [0] * 3, model
             worst = {"loss": max_rel_diff(r["eager_losses"], r["losses"]),
                      "grad_norm": max_rel_diff(r["eager_grad_norms"], r["grad_norms"]),
@@ -564,21 +574,28 @@ def _fp16_run(compile_section, stage=3):
         out["scale"].append(engine.optimizer.loss_scale)
         out["params_moved"].append(len(unequal(before, full_params(engine))))
     out.update(params=full_params(engine), active=engine.is_deepcompile_active(), report=engine_report(engine))
+    if compile_section:
+        from compare import shm_unavailable
+        out.update(host_comm=out["report"]["host_comm"], shm_unavailable=shm_unavailable(engine))
     engine.destroy()
     return out
 
 
-def _fp16_pair(stage):
+def _fp16_pair(stage, host_comm):
     from compare import run_eager
     fp32 = run_eager("mlp", 1, optimizer="sgd")  # the fp32 gradient at step 0, from the same start
-    return _fp16_run(None, stage), _fp16_run({"deepcompile": True}, stage), fp32["eager_grads"][0]
+    return (_fp16_run(None, stage), _fp16_run({"deepcompile": True, "host_comm": host_comm}, stage),
+            fp32["eager_grads"][0])
 
 
-@pytest.mark.parametrize("stage", [3, 2, 1])
-def test_fp16_dynamic_loss_scaling_matches_eager_zero(stage):
+@pytest.mark.parametrize("stage, host_comm", [(3, "auto"), (3, "gloo"), (2, "auto"), (1, "auto")])
+def test_fp16_dynamic_loss_scaling_matches_eager_zero(stage, host_comm):
     """Against eager ZeRO of the same stage: DeepCompile for ZeRO-1/2 hands fp16 gradients to the same loss scaler."""
     from compare import rel_diffs, unequal
-    for eager, compiled, fp32_grads in run_distributed(_fp16_pair, stage):
+    for eager, compiled, fp32_grads in run_distributed(_fp16_pair, stage, host_comm):
+        if stage == 3:  # ZeRO-1's reductions are ZeRO's own, and this MLP fills no ZeRO-2 bucket of ours
+            from compare import assert_transport
+            assert_transport(compiled, host_comm)
         report = compiled["report"]  # the steps ran in compiled graphs: they reduced (ZeRO-3: gathered) every gradient
         assert compiled["active"] and report["graphs_compiled"] >= 1 and report["reduces"] > 0, report
         assert report["gathers"] > 0 if stage == 3 else report["eager_grads"] == 0, report

@@ -44,13 +44,18 @@ def _check_common(r, steps=STEPS, grad_accum=1, fall_by=0.01):
     assert loss_fell(r["losses"], window=2 * grad_accum, by=fall_by), r["losses"]
 
 
-@pytest.mark.parametrize("model,optimizer", [("mlp", "adamw"), ("gpt", "adamw"), ("gpt", "sgd"), ("frozen", "adamw")])
-def test_fp32_matches_eager_zero3(model, optimizer):
-    from compare import assert_bitwise_equal
+# the core cases run on both transports (compile.host_comm): "auto" takes shared memory where the ranks share a host,
+# "gloo" the process group, which multi-host jobs take and the NCCL path shares
+@pytest.mark.parametrize("model,optimizer,host_comm", [("mlp", "adamw", "auto"), ("gpt", "adamw", "auto"),
+                                                       ("gpt", "adamw", "gloo"), ("gpt", "sgd", "auto"),
+                                                       ("frozen", "adamw", "auto")])
+def test_fp32_matches_eager_zero3(model, optimizer, host_comm):
+    from compare import assert_bitwise_equal, assert_transport
     from models import make_model
     initial = dict(make_model(model).named_parameters())
-    for r in run_distributed(_pair, model, "fp32", {}, STEPS, 1, optimizer):
+    for r in run_distributed(_pair, model, "fp32", {"host_comm": host_comm}, STEPS, 1, optimizer):
         _check_common(r, fall_by=0.01 if optimizer == "adamw" else 0.002)
+        assert_transport(r, host_comm)
         assert_bitwise_equal(r)
         frozen = {name for name, p in initial.items() if not p.requires_grad}
         for grads in r["grads"]:
@@ -74,17 +79,20 @@ def _bf16_pair(dtype, section):
 
 
 # autocast with the default partitioner too: test_partitioner_and_fused_cast_effects compares its losses only
-@pytest.mark.parametrize("dtype, section", [("autocast", {}), ("bf16", {}), ("autocast", {"partitioner": "default"})],
-                         ids=["autocast", "bf16", "autocast-default-partition"])
+@pytest.mark.parametrize("dtype, section", [("autocast", {}), ("bf16", {}), ("autocast", {"partitioner": "default"}),
+                                            ("autocast", {"host_comm": "gloo"}), ("bf16", {"host_comm": "gloo"})],
+                         ids=["autocast", "bf16", "autocast-default-partition", "autocast-gloo", "bf16-gloo"])
 def test_bf16_matches_eager_zero3(dtype, section):
-    from compare import assert_ran_compiled, check_bf16_against_eager, loss_fell
+    from compare import assert_ran_compiled, assert_transport, check_bf16_against_eager, loss_fell
     for r in run_distributed(_bf16_pair, dtype, section):
         assert_ran_compiled(r)
+        assert_transport(r, section.get("host_comm", "auto"))
         assert r["live_after_step"] == [0] * STEPS
         assert loss_fell(r["losses"], by=0.002), r["losses"]
         measured = check_bf16_against_eager(r, dtype)
         print(f"{dtype}: " + ", ".join(f"{k} {v:.3g}" for k, v in measured.items()))
-        assert (r["saved"]["param_bytes"] == 0) == (not section), r["saved"]  # the default partition saves them
+        # the default partition saves them
+        assert (r["saved"]["param_bytes"] == 0) == (section.get("partitioner") != "default"), r["saved"]
         if dtype == "bf16":  # the bf16 parameters are the fp32 master weights rounded, on both engines
             for key in ("", "eager_"):
                 params, master = r[key + "params"], r[key + "master"]
@@ -127,11 +135,13 @@ def test_partitioner_and_fused_cast_effects():
                 assert losses == eager_losses, (name, eager_losses, losses)
 
 
-def test_gradient_accumulation_matches_eager_zero3():
+@pytest.mark.parametrize("host_comm", ["auto", "gloo"])
+def test_gradient_accumulation_matches_eager_zero3(host_comm):
     # gradients compared after each of the 4 backwards of the first 2 steps: the accumulated gradient's scale
-    from compare import assert_bitwise_equal
-    for r in run_distributed(_pair, "gpt", "fp32", {}, 5, 2):
+    from compare import assert_bitwise_equal, assert_transport
+    for r in run_distributed(_pair, "gpt", "fp32", {"host_comm": host_comm}, 5, 2):
         _check_common(r, steps=5, grad_accum=2)
+        assert_transport(r, host_comm)
         assert len(r["grads"]) == 4
         assert_bitwise_equal(r)
         # the second micro-step's gradient is the sum of both: not equal to the first
@@ -165,14 +175,20 @@ def _checkpoint_round_trip(ckpt_root, section):
     after_load = train(engine, "gpt", 3, first_step=3)
     runtime = runtime_of(engine, active_only=False)
     gathered_after_load = None if runtime is None else runtime.counters.gathers - gathers_before
-    return after_save, after_load, restored, active_after_load, gathered_after_load
+    from compare import shm_unavailable
+    transport = None if runtime is None else {"host_comm": runtime.host_comm, "shm_unavailable": shm_unavailable(engine)}
+    return after_save, after_load, restored, active_after_load, gathered_after_load, transport
 
 
-def test_checkpoint_round_trip_matches_eager_zero3(tmp_path):
+@pytest.mark.parametrize("host_comm", ["auto", "gloo"])
+def test_checkpoint_round_trip_matches_eager_zero3(tmp_path, host_comm):
     eager = run_distributed(_checkpoint_round_trip, str(tmp_path), None)
-    compiled = run_distributed(_checkpoint_round_trip, str(tmp_path), {"deepcompile": True})
+    compiled = run_distributed(_checkpoint_round_trip, str(tmp_path), {"deepcompile": True, "host_comm": host_comm})
     assert os.path.isdir(tmp_path / "compiled")
-    for (e_save, e_load, e_restored, _, _), (c_save, c_load, c_restored, c_active, c_gathered) in zip(eager, compiled):
+    from compare import assert_transport
+    for (e_save, e_load, e_restored, *_), (c_save, c_load, c_restored, c_active, c_gathered, c_transport) in \
+            zip(eager, compiled):
+        assert_transport(c_transport, host_comm)
         assert e_restored == [] and c_restored == [], (e_restored, c_restored)
         assert c_active, "DeepCompile is no longer active after load_checkpoint"
         assert c_gathered > 0, "training after load_checkpoint did not run the compiled graphs"
