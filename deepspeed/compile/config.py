@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ``"compile"`` section of a ds_config.
 
 DeepSpeed's engine reads several stock fields directly (``deepcompile``, ``autoep_non_moe``, ``passes``,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The engine's DeepCompile state: one :class:`DeepCompileState` per engine, and the only code that creates it,
 runs a forward in it, and ends it.
 

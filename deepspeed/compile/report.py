@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a compiled engine did, for users, tests and the benchmark.
 
     from deepspeed.compile.report import engine_report

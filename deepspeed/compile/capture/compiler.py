@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The dynamo backend of a compiled ZeRO-3 engine: AOTAutograd with our partition function and compilers.
 
 Per dynamo graph (one per graph break) a :class:`GraphCompiler` runs, in order:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the ZeRO-3 runtime's collectives cost and the order they went out in.
 
 One :class:`CommLog` per runtime, shared by its gathers (``z3.py``, ``z3_runs.py``) and its gradient reduction

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The per-engine runtime of DeepCompile for ZeRO stages 1 and 2: gradients handed to ZeRO from the compiled backward.
 
 Parameters are replicated in these stages, so the graphs gather nothing. What DeepCompile changes is where each

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ZeRO-2's bucket reductions, started without waiting for them.
 
 Eager ZeRO-2 (``stage_1_and_2.py``) reduces a full gradient bucket inside the gradient hook that found it full: its

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The per-engine ZeRO-3 runtime behind the graph ops.
 
 One :class:`Z3Runtime` per compiled engine owns: the parameter registry (``ds_id`` -> parameter), the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ZeRO-3 runtime's gradient reduction: gradients from the compiled backward (``reduce_grad``) and from eager
 code, bucketed and reduce-scattered into the ZeRO-3 optimizer's gradient partitions.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Coalesced, prefetched gathers: the runs of the ZeRO-3 runtime.
 
 The schedule groups gathers that sit next to each other in a graph into runs of up to

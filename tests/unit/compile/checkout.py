@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Make ``deepspeed.compile`` resolve to this checkout's package, installed or not.
 
 Imported by ``conftest.py`` and by every spawned rank before anything imports ``deepspeed``. The

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Count the reduction bytes a rank issues through ``torch.distributed`` (eager ZeRO-3 has no report of its own
 to compare the compiled engine's with).
 

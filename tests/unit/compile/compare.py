@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Rank-side comparison of a compiled ZeRO-3 engine against eager ZeRO-3 in the same process, and the checks
 the tests apply to what it returns.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Test set-up: the checkout's ``deepspeed.compile`` is the one under test (see ``checkout.py``)."""
 import checkout
 

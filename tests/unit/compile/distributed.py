@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Run a test function on several CPU ranks (gloo, file store), each rank a fresh process.
 
     results = run_distributed(fn, arg, world_size=2, timeout_s=120)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Imported last by the ranks' fork server (``distributed.PRELOAD``): what every rank would otherwise work out again
 is done once here, then the server's heap is frozen.
 

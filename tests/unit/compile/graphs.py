@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Graphs for the pass and scheduler tests, no process group needed: a fake runtime behind the graph ops, small
 traced graphs, and AOTAutograd forward / backward graphs of a GPT with the ZeRO-3 ops in traced order.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Small models and a ZeRO config for the tests: each exercises one thing ZeRO-3 capture must get right.
 
 The data is learnable (targets are a fixed function of the inputs, as in the benchmark's ``make_batch``), so

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Models on which dynamo runs part of the forward eagerly, and variable-length data (test_eager_access.py).
 
 Each one makes a different piece of code run outside the compiled graphs while it reads ZeRO-3 parameters:

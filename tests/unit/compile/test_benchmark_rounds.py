@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The benchmark's statistics over interleaved rounds (``benchmarks/run.py --rounds``), on made-up results
 (single process, no launch). Like ``test_memory_measure.py``, a test of benchmark code importing ``benchmarks/``.
 """

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What can be checked of the CUDA path without a GPU: the kernel compiles, and the GPU check is ready to run.
 
 ``scripts/check_cuda_syntax.py`` compiles ``csrc/compile/cast_all_gather_cuda.cpp`` as a CUDA build would

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's default ZeRO-3 settings (no bucket sizes, default persistence threshold), as users run them.
 
 Eager ZeRO-3 and DeepCompile train a ``transformers`` GPT-2 on the same data with a ds_config that sets nothing but

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Code dynamo runs eagerly reads real parameters; variable-length batches compile at most twice per frame.
 
 Every case trains eager ZeRO-3 and DeepCompile on the same data in the same ranks and compares. fp32 with the eager

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The drop-in module: import precedence, the engine contract, config validation, fallbacks, the harness."""
 import contextlib
 import math

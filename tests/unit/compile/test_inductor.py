@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The pipeline under ``backend="inductor"``, against eager ZeRO-3 trained in the same process (2 gloo ranks).
 
 Inductor compiles take 30-60 s per configuration on 2 CPU cores: each 2-rank test is one spawned run (the first

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The package's layers import one way (docs/design.md, "Layers"): every module imports, no module imports a layer
 above its own, the analysis layers reach the runtime only through its op handles, and no two modules import
 each other through any chain. The checker is run on the real import graph and on made-up graphs that break each

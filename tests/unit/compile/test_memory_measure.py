@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The benchmark's CPU tensor-memory measurement: known allocations give the known peak (single process).
 
 A test of benchmark code, so one of the two places where the tests import from ``benchmarks/`` (with

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The native fused cast + all-gather (``dsc_native::cast_all_gather``) against its pure-Python twin.
 
 The op is JIT-built once per test session by the ``native_library`` fixture (into ``TORCH_EXTENSIONS_DIR``,

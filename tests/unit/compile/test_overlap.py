@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Coalesced, prefetched gathers: the static memory plan counts the collectives in flight, and the runtime's measured
 peak of live gathered bytes (which counts their receive buffers too) stays at or below it; parameters kept gathered
 from forward to backward within ``compile.keep_gathered_bytes`` are not gathered again in backward."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Checkpoints across engines: one saved by a DeepCompile engine loads into eager ZeRO-3 and the reverse.
 
 2 gloo ranks, fp32, eager backend, AdamW (its moments are part of the checkpoint). Both engines start from the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Each of this module's own "compile" options against eager ZeRO-3 on the same data (2 gloo ranks, eager backend).
 
 fp32 options (none set, ``schedule: "traced"``, ``prefetch: 2``, ``partitioner: "default"``, ``regions: "blocks"``,

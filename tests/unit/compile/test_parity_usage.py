@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Set-ups users run, each against eager ZeRO-3 on the same data in the same ranks (gloo, eager backend).
 
 fp32 and fp16 cases do eager ZeRO-3's arithmetic in its order, so losses, gradients (after every backward of the

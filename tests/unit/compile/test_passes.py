@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tests of the graph passes on small traced graphs: no process group, no DeepSpeed engine."""
 import operator
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ZeRO-3 pipeline end to end on 2 gloo ranks, against eager ZeRO-3 trained in the same process.
 
 Tolerances:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fast-free scheduler and the static memory plan, on traced GPT graphs: no process group needed.
 
 Forward and backward graphs come from ``graphs.make_gpt``: AOTAutograd with the min-cut partitioner, the ZeRO-3

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepCompile as Hugging Face's Trainer sets DeepSpeed up, on a `transformers` Llama, against eager ZeRO-3 trained
 in the same process (2 gloo ranks).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepCompile for ZeRO stages 1 and 2 against eager ZeRO-1 / ZeRO-2 on the same data in the same ranks (2 gloo ranks).
 
 The compiled backward hands each gradient to ZeRO's optimizer as soon as it exists (``runtime/z12.py``) and returns

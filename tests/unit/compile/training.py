@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Rank-side helpers: build a DeepSpeed engine on one of the test models and train it."""
 import logging
 from typing import Any, Callable, Dict, List, Optional
