@@ -44,13 +44,8 @@ def _inductor_pairs():
 
 
 def check_fp32_close(r):
-    from compare import drift_over_movement, max_rel_diff, rel_diffs
-    worst = {"loss": max_rel_diff(r["eager_losses"], r["losses"]), "first_update": max(drift_over_movement(r).values())}
-    assert len(r["grads"]) == len(r["eager_grads"]) > 0
-    for i, (g, eg) in enumerate(zip(r["grads"], r["eager_grads"])):
-        worst[f"grad{i}"] = max(rel_diffs(g, eg).values())
-    assert all(v <= FP32_TOL for v in worst.values()), worst
-    return worst
+    from compare import check_fp32_close
+    return check_fp32_close(r, FP32_TOL)
 
 
 def _inductor_pair_on(host_comm: str):

@@ -301,22 +301,22 @@ def test_bf16_and_autocast_within_eager_zero_own_error(stage):
 
 
 def _inductor(stage):
-    from compare import max_param_diff, max_rel_diff, run_pair
-    r = run_pair("gpt", STEPS, stage=stage, backend="inductor", optimizer="sgd")
-    return {"loss": max_rel_diff(r["eager_losses"], r["losses"]), "param": max_param_diff(r["params"], r["eager_params"]),
-            **{key: r[key] for key in ("active", "stage", "graphs", "counters", "persistent", "sharded")}}
+    from compare import run_pair
+    return run_pair("gpt", STEPS, stage=stage, backend="inductor", optimizer="sgd", grad_steps=None)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_inductor_matches_eager_zero(stage):
-    """Inductor fuses and reorders fp32 arithmetic (a reduction's order changes its rounding): losses within 1e-5
-    relative and SGD parameters within 1e-5 of eager ZeRO's, 100x the differences measured here (about 1e-7)."""
-    from compare import assert_ran_compiled
+    """Inductor fuses and reorders fp32 arithmetic (a reduction's order changes its rounding): every loss, the
+    gradients after every backward and the first SGD update within 1e-5 relative of eager ZeRO's, norm-wise per
+    parameter (``compare.check_fp32_close``, the bound test_inductor.py states for ZeRO-3)."""
+    from compare import assert_ran_compiled, check_fp32_close
     for r in run_distributed(_inductor, stage, timeout_s=500):
         assert_ran_compiled(r)
-        assert r["loss"] <= 1e-5 and r["param"] <= 1e-5, r
+        assert len(r["grads"]) == STEPS, len(r["grads"])
+        print(f"ZeRO-{stage} inductor:", check_fp32_close(r))
         # inductor's graphs call the fused reduces too (its chain of collectives waits on their tokens)
-        assert r["counters"]["matmul_grads"] > 0 and (r["counters"]["grads_in_bucket"] > 0) == (stage == 2), r
+        assert r["counters"]["matmul_grads"] > 0 and (r["counters"]["grads_in_bucket"] > 0) == (stage == 2), r["counters"]
 
 
 # ----- a transformers model at DeepSpeed's default settings ------------------------------------------------------
