@@ -31,7 +31,7 @@ from torch.nn import Parameter
 
 from . import registry
 from .ops import gradient_wanted
-from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, open_host_comm
+from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, HostCommOwner, open_host_comm
 from .z12_reduce import BucketFlush
 
 
@@ -47,7 +47,7 @@ class Z12Counters:
     grads_in_bucket: int = 0  # of those, computed straight into ZeRO-2's reduce bucket (no copy into it)
 
 
-class Z12Runtime:
+class Z12Runtime(HostCommOwner):
 
     def __init__(self, engine, *, stage: int, timeout_s: float = 0.0, host_comm: str = "auto",
                  host_comm_dir: str = DEFAULT_DIR):
@@ -299,18 +299,6 @@ class Z12Runtime:
         compiled graphs (their backward returns None for it), else the gradient of its eager uses."""
         if grad is not None:
             self._eager_incoming.add(key)
-
-    def post_failure(self, message: str) -> None:
-        """This rank cannot go on with its graphs (``message`` says why): tell the peers, whose next wait on shared
-        memory raises naming this rank and the cause (``HostComm.post_failure``)."""
-        if self.host is not None:
-            self.host.post_failure(message)
-
-    def close(self) -> None:
-        """Release what the runtime holds of the OS, its shared-memory segments (the engine's deactivation and
-        destroy; process exit does it too)."""
-        if self.host is not None:
-            self.host.close()
 
     def detach(self) -> None:
         """Give ZeRO its own gradient hooks and reductions back (the engine returns to eager ZeRO-1/2)."""

@@ -25,7 +25,7 @@ from torch.nn import Parameter
 from ..native.gather import cast_all_gather_python, load_native, wait_for
 from . import registry, standins
 from .comm import CommLog, Counters
-from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, open_host_comm, start_gather
+from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, HostCommOwner, open_host_comm, start_gather
 from .eager_access import (EagerAccess, install_forwards_gathering_returned,
                            uninstall_forwards_gathering_returned)
 from .ops import gradient_wanted
@@ -43,7 +43,7 @@ class _Gathered:
     shard: Tuple[int, int]  # the parameter's shard_state it was gathered from
 
 
-class Z3Runtime:
+class Z3Runtime(HostCommOwner):
     stage = 3
 
     def __init__(self, engine, *, timeout_s: float = 0.0, free_on_release: bool = True, native_op: str = "auto",
@@ -349,18 +349,6 @@ class Z3Runtime:
             self.reducer.reduce(param.ds_id, grad)
 
     # ----- engine hooks ----------------------------------------------------------------------------------
-    def post_failure(self, message: str) -> None:
-        """This rank cannot go on with its graphs (``message`` says why): tell the peers, whose next wait on shared
-        memory raises naming this rank and the cause (``HostComm.post_failure``)."""
-        if self.host is not None:
-            self.host.post_failure(message)
-
-    def close(self) -> None:
-        """Release what the runtime holds of the OS, its shared-memory segments (the engine's deactivation and
-        destroy; process exit does it too)."""
-        if self.host is not None:
-            self.host.close()
-
     def detach(self) -> None:
         """The engine returns to eager ZeRO-3: eagerly gathered parameters partitioned, eager ZeRO-3's own gradient
         hooks in charge, stand-ins out (the caller switches ZeRO-3's module hooks back on)."""
