@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+"""More set-ups users run, each against eager ZeRO of the same stage on the same data in the same ranks (gloo, eager
+backend unless said): several optimizer parameter groups, bf16 gradient accumulation with clipping, more than one
+intra-op thread, bf16 and fp16 checkpoint round trips (loss-scaler state, persistent parameters,
+``load_module_only``), a malformed batch on one rank, 4 ranks at ZeRO-2, bf16 and with inductor, and DeepSpeed's own
+MoE layer.
+
+The numbers gate as in test_pipeline.py: fp32 and fp16 bitwise (eager ZeRO's arithmetic in its order); bf16 within
+``compare.check_bf16_against_eager``'s stated bound; 4 ranks within test_parity_usage.py's ``WORLD4_TOL``.
+Each compiled engine is checked to have run its graphs (``compare.assert_ran_compiled``).
+"""
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from distributed import RankFailure, RankTimeout, run_distributed
+
+
+# ----- engines the helpers in compare.py do not build ---------------------------------------------------------------
+def _engine(model: str, config: Dict[str, Any], model_parameters=None):
+    """An engine on ``model`` (seed 0), compiled with the eager backend if ``config`` has a compile section;
+    ``model_parameters(module)`` gives what ``deepspeed.initialize`` gets (default: the parameters in a list)."""
+    import deepspeed
+    from models import make_model
+    torch._dynamo.reset()  # each engine starts from dynamo's empty caches
+    deepspeed.init_distributed(dist_backend="gloo")
+    module = make_model(model)
+    params = model_parameters(module) if model_parameters else list(module.parameters())
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config)
+    if "compile" in config:
+        engine.compile(backend="eager")
+    return engine
+
+
+def _recorded_pair(model: str, steps: int, config_of, model_parameters=None, grad_steps: int = 1) -> Dict[str, Any]:
+    """What ``compare.run_pair`` returns, for engines built by :func:`_engine`: ``config_of(section)`` is the config,
+    with ``section`` None for eager ZeRO and the compile section for DeepCompile."""
+    from compare import compiled_record, train_and_record
+    eager = _engine(model, config_of(None), model_parameters)
+    out = {f"eager_{k}": v for k, v in train_and_record(eager, model, steps, grad_steps).items()}
+    out["eager_lrs"] = [(g["lr"], g["weight_decay"]) for g in eager.optimizer.param_groups]
+    eager.destroy()
+    compiled = _engine(model, config_of({"deepcompile": True}), model_parameters)
+    out.update(train_and_record(compiled, model, steps, grad_steps))
+    out.update(compiled_record(compiled), lrs=[(g["lr"], g["weight_decay"]) for g in compiled.optimizer.param_groups])
+    compiled.destroy()
+    return out
+
+
+# ----- several parameter groups; bf16 accumulation with clipping; two intra-op threads -------------------------------
+GROUPS = [(1e-2, 0.1), (3e-3, 0.0)]  # (lr, weight_decay): matrices decay, vectors and the embedding table do not
+CLIP = 0.05  # below every step's gradient norm: each step is clipped
+
+
+def _groups(module):
+    decay = [p for n, p in module.named_parameters() if p.dim() >= 2 and n != "tok.weight"]
+    rest = [p for n, p in module.named_parameters() if not (p.dim() >= 2 and n != "tok.weight")]
+    return [{"params": ps, "lr": lr, "weight_decay": wd} for ps, (lr, wd) in zip((decay, rest), GROUPS)]
+
+
+def _parity_runs():
+    from compare import run_eager, run_pair
+    from models import ds_config
+    out = {"groups": _recorded_pair("gpt", 4, lambda section: ds_config(3, section), _groups, grad_steps=2)}
+    # bf16, 2 micro-steps a step, clipped SGD steps; eager ZeRO-3's fp32 gradients after the same backwards
+    common = dict(optimizer="sgd", grad_accum=2, grad_steps=1, gradient_clipping=CLIP)
+    out["bf16_accum_clip"] = {**run_pair("gpt", 3, "bf16", **common),
+                              "fp32_grads": run_eager("gpt", 1, **common)["eager_grads"]}
+    torch.set_num_threads(2)  # the harness runs ranks on one thread; a user's job runs on several
+    try:
+        out["threads"] = {**run_pair("gpt", 3, grad_steps=2), "threads": torch.get_num_threads()}
+    finally:
+        torch.set_num_threads(1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity_runs():
+    return run_distributed(_parity_runs)
+
+
+def test_parameter_groups_with_their_own_lr_and_weight_decay_match_eager_zero3(parity_runs):
+    """AdamW over two parameter groups (matrices: lr 1e-2, weight decay 0.1; the rest: lr 3e-3, none): the compiled
+    engine keeps the groups and trains bitwise as eager ZeRO-3."""
+    from compare import assert_bitwise_equal, assert_ran_compiled
+    for out in parity_runs:
+        r = out["groups"]
+        assert r["lrs"] == r["eager_lrs"] == GROUPS, (r["lrs"], r["eager_lrs"])
+        assert_ran_compiled(r)
+        assert_bitwise_equal(r)
+
+
+def test_bf16_accumulation_with_clipping_matches_eager_zero3(parity_runs):
+    """bf16 parameters, 2 micro-steps a step, SGD steps clipped to norm 0.05: within the bf16 bound of
+    ``check_bf16_against_eager`` after the first backward, and the same bound (eager ZeRO-3's own bf16 error, twice)
+    on the accumulated gradient after the second."""
+    from compare import assert_ran_compiled, bf16_grad_bound, check_bf16_against_eager, rel_diffs
+    for out in parity_runs:
+        r = out["bf16_accum_clip"]
+        assert_ran_compiled(r)
+        assert len(r["grads"]) == len(r["eager_grads"]) == len(r["fp32_grads"]) == 2
+        print(check_bf16_against_eager(r, "bf16"))
+        bound = bf16_grad_bound(r["eager_grads"][1], r["fp32_grads"][1])
+        diff = rel_diffs(r["grads"][1], r["eager_grads"][1])
+        assert max(diff.values()) <= bound, (bound, {k: v for k, v in diff.items() if v > bound})
+        assert all(n > 2 * CLIP for n in r["eager_grad_norms"]), ("clipping was not active", r["eager_grad_norms"])
+        assert all(abs(a - b) <= 1e-2 * b for a, b in zip(r["grad_norms"], r["eager_grad_norms"])), (
+            r["grad_norms"], r["eager_grad_norms"])
+
+
+def test_two_intra_op_threads_match_eager_zero3_bitwise(parity_runs):
+    from compare import assert_bitwise_equal, assert_ran_compiled
+    for out in parity_runs:
+        r = out["threads"]
+        assert r["threads"] == 2
+        assert_ran_compiled(r)
+        assert_bitwise_equal(r)
