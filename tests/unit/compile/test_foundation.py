@@ -238,14 +238,15 @@ def test_bad_compile_key_fails_at_initialize():
 
 def _zero12_activation():
     """ZeRO-1 with stock's ``"passes": ["z1"]`` and ZeRO-2 run this module's pipeline; a stock option it does not
-    implement (offload) still falls back to plain torch.compile with one warning naming it; ZeRO-3 with hpZ runs and
-    warns that hpZ is not applied."""
+    implement (offload, the AutoSP pass) still falls back to plain torch.compile with one warning naming it; ZeRO-3 with
+    hpZ runs and warns that hpZ is not applied."""
     from models import ds_config
     from training import RecordWarnings, make_engine, train
     from deepspeed.compile.report import engine_report
     out = {}
     for name, stage, section in (("z1", 1, {"deepcompile": True, "passes": ["z1"]}), ("z2", 2, {"deepcompile": True}),
                                  ("offload", 2, {"deepcompile": True, "offload_activation": True}),
+                                 ("autosp", 1, {"deepcompile": True, "passes": ["autosp"]}),
                                  ("hpz", 3, {"deepcompile": True})):
         warnings = RecordWarnings()
         overrides = {"zero_hpz_partition_size": 2} if name == "hpz" else None
@@ -254,7 +255,9 @@ def _zero12_activation():
         report = engine_report(engine)
         out[name] = {"losses": losses, "warnings": [m for m in warnings.messages if "deepspeed-compile" in m],
                      "active": engine.is_deepcompile_active(), "stage": report and report["zero_stage"],
-                     "reduces": report and report["reduces"]}
+                     "reduces": report and report["reduces"],
+                     # plain torch.compile: the module's call goes through torch's compiled wrapper
+                     "torch_compiled": engine.is_compiled and engine.module._compiled_call_impl is not None}
         engine.destroy()
     return out
 
@@ -265,11 +268,35 @@ def test_zero1_and_zero2_run_deepcompile_and_unimplemented_options_fall_back():
             r = out[name]
             assert r["active"] and r["stage"] == stage and r["reduces"] > 0 and not r["warnings"], r
             assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r
-        r = out["offload"]
-        assert not r["active"] and len(r["warnings"]) == 1 and "offload_activation" in r["warnings"][0], r
+        for name, option in (("offload", "offload_activation"), ("autosp", "'autosp'")):
+            r = out[name]
+            assert not r["active"] and len(r["warnings"]) == 1 and option in r["warnings"][0], r
+            assert "falling back to plain torch.compile" in r["warnings"][0] and r["torch_compiled"], r
+            assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r
         r = out["hpz"]  # runs (bitwise eager ZeRO-3 in a scratch run), saying hpZ's secondary partition is not used
         assert r["active"] and r["reduces"] > 0 and len(r["warnings"]) == 1, r
         assert "zero_hpz_partition_size" in r["warnings"][0], r
+
+
+def test_autosp_and_autotp_adapters_warn_once_and_fall_back(caplog):
+    """Stock's engine asks ``init_sp.init_autosp`` / ``init_tp.init_autotp`` for a backend when the config names the
+    pass (AutoTP only with tensor_parallel.autotp_size > 1, which this 2-rank harness does not build): each logs one
+    warning naming its pass and returns None, on which the engine compiles with plain torch.compile."""
+    import logging
+    import torch
+    from deepspeed.compile.init_sp import init_autosp
+    from deepspeed.compile.init_tp import init_autotp
+    logger = logging.getLogger("DeepSpeed")
+    logger.addHandler(caplog.handler)
+    try:
+        for name, adapter, arg in (("autosp", init_autosp, None), ("autotp", init_autotp, torch.nn.Linear(2, 2))):
+            caplog.clear()
+            assert adapter(arg) is None
+            warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(warnings) == 1 and f"'{name}'" in warnings[0], warnings
+            assert "falling back to plain torch.compile" in warnings[0], warnings
+    finally:
+        logger.removeHandler(caplog.handler)
 
 
 def _hang_in_collective():
