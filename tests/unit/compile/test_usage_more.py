@@ -116,3 +116,115 @@ def test_two_intra_op_threads_match_eager_zero3_bitwise(parity_runs):
         assert r["threads"] == 2
         assert_ran_compiled(r)
         assert_bitwise_equal(r)
+
+
+# ----- checkpoint round trips: bf16, fp16 with its loss scaler, persistent parameters, load_module_only --------------
+CKPT_CASES = {"bf16": dict(dtype="bf16"), "fp16": dict(dtype="fp16", fp16_initial_scale_power=8),
+              # the MLP's two biases (37 elements) stay whole under ZeRO-3, its weights are sharded
+              "persistent": dict(dtype="fp32", persistence_threshold=100)}
+OVERFLOWS = (1, 3)  # fp16: these steps' targets (3e4) overflow the scaled gradient: the scale halves before the
+# save and again after it, so a load that kept the live scale shows
+
+
+def _ckpt_steps(engine, dtype: str, steps) -> Dict[str, Any]:
+    import torch.distributed as dist
+    from models import make_batch
+    cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    losses, scales = [], []
+    for step in steps:
+        x, y = (t.to(cast) for t in make_batch("mlp", step, dist.get_rank()))
+        if dtype == "fp16" and step in OVERFLOWS:
+            y = torch.full_like(y, 3e4)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        scales.append(engine.optimizer.loss_scale if dtype == "fp16" else None)
+    return {"losses": losses, "scales": scales}
+
+
+def _checkpoint_round_trip(ckpt_dir: str, case: str, section) -> Dict[str, Any]:
+    """Train 2 steps, save, train 3 more, load, train the same 3 again; then a fresh engine loads the module alone
+    (``load_module_only``) and trains 2 steps."""
+    from compare import compiled_record, full_params, master_params, unequal
+    from deepspeed.compile.engine_state import runtime_of
+    from models import ds_config
+    kw = CKPT_CASES[case]
+    dtype, tag = kw["dtype"], f"{case}-{'compiled' if section else 'eager'}"
+    config = ds_config(3, section, **kw)
+    engine = _engine("mlp", config)
+    before_save = _ckpt_steps(engine, dtype, range(2))
+    engine.save_checkpoint(ckpt_dir, tag=tag)
+    saved = {"params": full_params(engine), "master": master_params(engine), "scale": before_save["scales"][-1]}
+    after_save = _ckpt_steps(engine, dtype, range(2, 5))
+    engine.load_checkpoint(ckpt_dir, tag=tag)
+    out = {"restored_params": unequal(saved["params"], full_params(engine)),
+           "restored_master": unequal(saved["master"], master_params(engine)),
+           "scale_saved": saved["scale"], "scale_before_load": after_save["scales"][-1],
+           "scale_loaded": engine.optimizer.loss_scale if dtype == "fp16" else None,
+           "persistent": sum(bool(p.ds_persist) for p in engine.module.parameters()),
+           "before_save": before_save, "after_save": after_save, "params_saved": saved["params"]}
+    runtime = runtime_of(engine, active_only=False)
+    gathers = runtime.counters.gathers if runtime else 0
+    out["after_load"] = _ckpt_steps(engine, dtype, range(2, 5))
+    out["params"] = full_params(engine)
+    if section:
+        out.update(record=compiled_record(engine), active_after_load=engine.is_deepcompile_active(),
+                   gathers_after_load=runtime.counters.gathers - gathers)
+    engine.destroy()
+    fresh = _engine("mlp", config)
+    # ZeRO-3 keeps the weights in its optimizer's files: stock DeepSpeed reads them from there only when told not to
+    # load optimizer states (with load_module_only alone, eager ZeRO-3 too leaves the fresh weights in place)
+    fresh.load_checkpoint(ckpt_dir, tag=tag, load_module_only=True, load_optimizer_states=False)
+    out["module_only_restored"] = unequal(saved["params"], full_params(fresh))
+    out["module_only_scale"] = fresh.optimizer.loss_scale if dtype == "fp16" else None
+    out["module_only"] = _ckpt_steps(fresh, dtype, range(2, 4))
+    out["module_only_params"] = full_params(fresh)
+    if section:
+        out["module_only_record"] = compiled_record(fresh)
+    fresh.destroy()
+    return out
+
+
+def _checkpoint_runs(ckpt_dir: str):
+    from test_parity_usage import _allow_fp16_on_cpu
+    _allow_fp16_on_cpu()  # both engines under the same override
+    return {case: (_checkpoint_round_trip(ckpt_dir, case, None),
+                   _checkpoint_round_trip(ckpt_dir, case, {"deepcompile": True}))
+            for case in CKPT_CASES}
+
+
+def test_checkpoint_round_trips_match_eager_zero3(tmp_path):
+    """Saved, trained on, loaded, trained again: the same losses (and loss scales) after the load as after the save,
+    the parameters, the fp32 master copies and the loss scale as saved; the compiled engine still runs its graphs
+    after the load. bf16, fp16 with dynamic loss scaling (an overflow before the save and one after it), and fp32
+    with persistent parameters. Then ``load_module_only`` (with ``load_optimizer_states=False``): a fresh engine gets the saved parameters and a fresh
+    optimizer (the initial loss scale). Against eager ZeRO-3 doing the same: bitwise in fp16 and fp32, within bf16's
+    loss tolerance of ``check_bf16_against_eager`` in bf16 (its linear layers round differently, compare.py)."""
+    from compare import assert_ran_compiled, max_rel_diff, unequal
+    for out in run_distributed(_checkpoint_runs, str(tmp_path)):
+        for case, (eager, compiled) in out.items():
+            for r in (eager, compiled):
+                assert r["restored_params"] == [] and r["restored_master"] == [], (case, r["restored_params"],
+                                                                                   r["restored_master"])
+                assert r["after_load"] == r["after_save"], (case, r["after_load"], r["after_save"])
+                assert r["module_only_restored"] == [], (case, r["module_only_restored"])
+            assert_ran_compiled(compiled["record"])
+            assert compiled["active_after_load"] and compiled["gathers_after_load"] > 0, case
+            assert_ran_compiled(compiled["module_only_record"])
+            if case == "fp16":
+                assert eager["scale_saved"] == compiled["scale_saved"] == 2.0 ** 7  # halved once before the save
+                assert compiled["scale_before_load"] == 2.0 ** 6
+                assert compiled["scale_loaded"] == eager["scale_loaded"] == 2.0 ** 7
+                assert compiled["module_only_scale"] == eager["module_only_scale"] == 2.0 ** 8
+            if case == "persistent":
+                assert compiled["persistent"] == eager["persistent"] == 2, compiled["persistent"]
+            if case == "bf16":
+                for key in ("before_save", "after_save", "module_only"):
+                    assert max_rel_diff(eager[key]["losses"], compiled[key]["losses"]) <= 1e-2, (key, eager[key],
+                                                                                                compiled[key])
+            else:
+                for key in ("before_save", "after_save", "after_load", "module_only"):
+                    assert compiled[key] == eager[key], (case, key, compiled[key], eager[key])
+                for key in ("params_saved", "params", "module_only_params"):
+                    assert unequal(compiled[key], eager[key]) == [], (case, key, unequal(compiled[key], eager[key]))
