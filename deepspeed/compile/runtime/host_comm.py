@@ -7,20 +7,16 @@ all-gathers and gradient reductions, and ZeRO-2's bucket all-reduces, go through
 copies what it sends into a slot of its own segment, and every rank reads every rank's slot straight into where the
 result goes. ``docs/design.md`` ("Collectives through shared memory") states what the transport guarantees and costs.
 
-**Set-up is one step the ranks agree on** (:func:`open_host_comm`). Each rank creates its segment (a file in
-``compile.host_comm_dir``, ``/dev/shm`` by default) with its space reserved for real (``posix_fallocate``: a full or
-small ``/dev/shm`` is an error here, not a SIGBUS at a later first write), writes a token into it and locks it; the
-ranks agree (one collective) that every segment exists; every rank maps every peer's segment and checks its token
-(ranks that share a host name but not ``/dev/shm`` find no segment, or another one); the ranks agree again; only then
-are the files unlinked. Any failure on any rank: every rank unmaps and unlinks what it made, then ``"auto"`` goes on
-with the process group (one warning naming the option and the reason) and ``"shm"`` raises ``ValueError``.
+**Set-up** is one step the ranks agree on (``shm_segments.py``): one segment a rank, its space reserved, every peer's
+verified, released on every path out. Any failure on any rank: ``"auto"`` goes on with the process group (one warning
+naming the option and the reason) and ``"shm"`` raises ``ValueError`` (:func:`open_host_comm`).
 :meth:`HostComm.close` (the engine's destroy) and process exit release the segments.
 
 **The protocol.** A :class:`Channel` has ``slots`` slots per rank; its collective number ``n`` uses slot
 ``n % slots``. Each rank's header holds, per slot, ``published`` (the collective whose data the slot holds), what that
 collective is (bytes, kind, dtype, an identifier), and ``consumed`` (the last collective this rank has read out of
-every rank's slot), both as ``n + 1`` (a new segment is zeros: nothing published or read). A rank writes its slot for ``n`` once every other rank has consumed ``n - slots`` there, and reads
-``n`` once every rank has published it; a rank whose collective ``n`` differs from a peer's raises an error naming
+every rank's slot), both as ``n + 1`` (a new segment is zeros: nothing published or read). A rank writes its slot
+for ``n`` once every other rank has consumed ``n - slots`` there, and reads ``n`` once every rank has published it; a rank whose collective ``n`` differs from a peer's raises an error naming
 both. Every rank starts the same collectives in the same order (the runtime's contract for any transport), and a rank
 that needs a slot first reads the collectives before it that it has not read yet, so the oldest collective of a channel
 can always complete. A wait on one channel also moves every other channel of the runtime as far as it can without
@@ -36,14 +32,9 @@ The flags are 8-byte aligned words written and read by single loads and stores w
 before it. Other architectures need fences this module does not have, so ``"auto"`` uses it on x86-64 only.
 """
 import datetime
-import errno
-import fcntl
 import logging
 import mmap
 import os
-import platform
-import secrets
-import socket
 import time
 import weakref
 from collections import deque
@@ -54,26 +45,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .shm_segments import (CLOSED, DEFAULT_DIR, FAILED, PAGE, Segments, SetUpError, group_timeout,
+                           host_comm_unavailable)
+
 log = logging.getLogger(__name__)
 
 HOST_COMM_MODES = ("auto", "shm", "gloo")
-DEFAULT_DIR = "/dev/shm"
 # the largest chunk of a gradient bucket reduced at once; smaller where the model's gradients are
 REDUCE_SLOT_BYTES = 4 << 20
 GATHER_SLOTS, REDUCE_SLOTS = 8, 4
 _ALIGN = 64
-_PAGE = 4096
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # page tables filled at set-up
-# a wait with no timeout of its own and a process group whose timeout cannot be read: torch.distributed's default
-_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # a wait: this many polls on the core, then yielding it for this long, then sleeps from the first to the last length
 _SPINS, _YIELD_S, _SLEEP_S = 100, 0.002, (50e-6, 1e-3)
 _CHECK_PEERS_S = 0.1  # how often a wait past its spins looks at its peers' liveness and state
-
-# the control page at the start of every segment: int64 words, then the failure message a rank posts
-_TOKEN, _RANK, _STATE, _MESSAGE_LEN = range(4)
-_MESSAGE_AT, _MESSAGE_MAX = 64, 2048
-_OPEN, _CLOSED, _FAILED = 0, 1, 2
 # what a slot's collective is: its kind, and the dtype it carries (an index of _DTYPES)
 KIND_RAW, KIND_GATHER, KIND_REDUCE_SCATTER, KIND_ALL_REDUCE = range(4)
 _KIND_NAMES = ("collective", "all-gather", "reduce-scatter", "all-reduce")
@@ -308,153 +292,6 @@ def _sum(slots: List[Tensor], chunk: Tensor, out: Tensor, row: Optional[int]) ->
         out.add_(part)
 
 
-# ----- set-up ----------------------------------------------------------------------------------------------------
-def _where(directory: str) -> tuple:
-    """This process's host (name and boot id), architecture, and whether it has the segments' directory."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return socket.gethostname(), boot, platform.machine().lower(), os.path.isdir(directory)
-
-
-def host_comm_unavailable(group, device: torch.device, directory: str = DEFAULT_DIR) -> Optional[str]:
-    """Why the ranks of ``group`` cannot use shared memory for the runtime's collectives, as far as the ranks' host,
-    architecture and directory tell, or None. Every rank gets the same answer: what can differ between ranks is
-    gathered from all of them (one collective, on CPU with gloo)."""
-    if device.type != "cpu":
-        return f"the runtime's device is {device.type}, not cpu"
-    if dist.get_backend(group) != "gloo":
-        return f"the process group's backend is {dist.get_backend(group)}, not gloo"
-    if dist.get_world_size(group) < 2:
-        return "there is one rank"
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, _where(directory), group=group)
-    if any(where[:2] != everyone[0][:2] for where in everyone):
-        return "the ranks are on more than one host"
-    if everyone[0][2] not in ("x86_64", "amd64"):  # the module docstring
-        return f"its flags rely on x86-64's store order, and this machine is {everyone[0][2]}"
-    missing = [r for r, where in enumerate(everyone) if not where[3]]
-    if missing:
-        return f"{directory} is not a directory on rank {missing[0]} (compile.host_comm_dir)"
-    return None
-
-
-def new_token(group) -> str:
-    """A name shared by the ranks of ``group`` for the segments they create (rank 0's random choice)."""
-    token = [secrets.token_hex(8) if dist.get_rank(group) == 0 else None]
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(token, src=src, group=group)
-    return token[0]
-
-
-def group_timeout(group) -> datetime.timedelta:
-    """The process group's own collective timeout (what gloo's collectives on it wait), else torch's default."""
-    try:
-        pg = group if group is not None else dist.group.WORLD
-        return pg._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        return _DEFAULT_TIMEOUT
-
-
-def _agree(group, problem: Optional[str]) -> Optional[str]:
-    """Every rank's ``problem`` gathered (one collective): the first rank's that has one, named, or None."""
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, problem, group=group)
-    return next((f"rank {r}: {p}" for r, p in enumerate(everyone) if p is not None), None)
-
-
-class _Segments:
-    """This rank's segment file and every rank's mapping of theirs. Closing unmaps what it can and closes the files
-    (which releases the lock that tells peers this process lives); the file itself is unlinked once every rank has
-    mapped it, or on any failure before."""
-
-    def __init__(self, path: str):
-        self.path: Optional[str] = path  # until unlinked
-        self.fds: List[int] = []  # per rank once opened; this rank's first
-        self.maps: List[mmap.mmap] = []
-        self.own_fd = -1
-        self.failed = False  # a failure posted: closing keeps it for the peers to read
-
-    def unlink(self) -> None:
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
-            self.path = None
-
-    def set_state(self, state: int, message: str = "") -> None:
-        """Written with the file, not the mapping: works while views of the mapping are still alive."""
-        if self.own_fd < 0:
-            return
-        data = message.encode()[:_MESSAGE_MAX]
-        if state == _FAILED:
-            self.failed = True
-        elif self.failed:
-            return
-        try:
-            if data:
-                os.pwrite(self.own_fd, data, _MESSAGE_AT)
-                os.pwrite(self.own_fd, np.array([len(data)], dtype=np.int64).tobytes(), _MESSAGE_LEN * 8)
-            os.pwrite(self.own_fd, np.array([state], dtype=np.int64).tobytes(), _STATE * 8)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.unlink()
-        self.set_state(_CLOSED)
-        for m in self.maps:
-            try:
-                m.close()
-            except BufferError:  # views still alive elsewhere: unmapped when they go
-                pass
-        self.maps = []
-        for fd in self.fds + ([self.own_fd] if self.own_fd >= 0 and self.own_fd not in self.fds else []):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds, self.own_fd = [], -1
-
-
-def _create(segments: _Segments, size: int, token: int, rank: int) -> None:
-    """This rank's segment: created, its space reserved, its control page written, locked for life."""
-    directory = os.path.dirname(segments.path)
-    free = os.statvfs(directory)
-    available = free.f_bavail * free.f_frsize
-    if available < size:
-        raise OSError(errno.ENOSPC, f"{directory} has {available >> 20} MiB free and a segment needs {size >> 20} MiB "
-                                    "(a container's /dev/shm is often 64 MiB: docker run --shm-size)")
-    fd = os.open(segments.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    segments.own_fd = fd
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as err:
-        raise OSError(err.errno, f"reserving {size >> 20} MiB in {directory} failed ({os.strerror(err.errno)}; a "
-                                 "container's /dev/shm is often 64 MiB: docker run --shm-size)") from err
-    os.pwrite(fd, np.array([token, rank, _OPEN, 0], dtype=np.int64).tobytes(), 0)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives: peers test it (_gone)
-
-
-def _map_peers(segments: _Segments, paths: List[str], size: int, token: int, rank: int) -> None:
-    for r, path in enumerate(paths):
-        fd = segments.own_fd if r == rank else os.open(path, os.O_RDWR)
-        if r != rank:
-            segments.fds.append(fd)
-        if os.fstat(fd).st_size != size:
-            raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, not the {size} rank {r} made")
-        segments.maps.append(mmap.mmap(fd, size, flags=_MAP_FLAGS))
-        head = np.frombuffer(segments.maps[-1], dtype=np.int64, count=2)
-        if (int(head[_TOKEN]), int(head[_RANK])) != (token, r):
-            raise OSError(f"{path} is not the segment rank {r} made for this job (another /dev/shm: the ranks share a "
-                          "host name but not their shared-memory directory)")
-        del head
-    # the fds list per rank, this rank's own in its place
-    segments.fds.insert(rank, segments.own_fd)
-
-
 class HostComm:
     """A runtime's shared-memory transport: channel ``gather`` (slots of a gathered chunk's shard; None without one)
     and ``reduce`` (slots of a chunk of a gradient bucket), in one segment a rank. Made by :func:`open_host_comm`."""
@@ -467,28 +304,16 @@ class HostComm:
         self.timeout = group_timeout(group)
         gather_slot_bytes = _round_up(gather_slot_bytes, _ALIGN) if gather_slot_bytes else 0
         reduce_slot_bytes = _round_up(max(reduce_slot_bytes, _ALIGN), _ALIGN)
-        gather_at = _PAGE
+        gather_at = PAGE
         reduce_at = gather_at + (channel_bytes(gather_slot_bytes, gather_slots) if gather_slot_bytes else 0)
-        self.bytes = _round_up(reduce_at + channel_bytes(reduce_slot_bytes, reduce_slots), _PAGE)  # this rank's
-        hex_token = new_token(group)
-        token = int(hex_token[:15], 16)
-        paths = [os.path.join(directory, f"dsc_{hex_token}_{r}") for r in range(self.world_size)]
-        self._segments = _Segments(paths[self.rank])
-        # process exit releases the segments of a runtime never closed
-        self._finalizer = weakref.finalize(self, _Segments.close, self._segments)
+        self.bytes = _round_up(reduce_at + channel_bytes(reduce_slot_bytes, reduce_slots), PAGE)  # this rank's
         try:
-            problem = _attempt(lambda: _create(self._segments, self.bytes, token, self.rank))
-            problem = _agree(group, problem) or _agree(group, _attempt(
-                lambda: _map_peers(self._segments, paths, self.bytes, token, self.rank)))
-        except BaseException:
-            self._finalizer()
-            raise
-        if problem is not None:
-            self._finalizer()
-            raise HostCommError(problem)
-        self._segments.unlink()  # every rank has mapped every segment: the names can go
+            self._segments = Segments.set_up(group, directory, self.bytes)
+        except SetUpError as err:
+            raise HostCommError(str(err)) from None
+        # process exit releases the segments of a runtime never closed
+        self._finalizer = weakref.finalize(self, Segments.close, self._segments)
         maps = self._segments.maps
-        self._control = [np.frombuffer(m, dtype=np.int64, count=4) for m in maps]
         self._others = [r for r in range(self.world_size) if r != self.rank]
         self.gather = Channel(self, "gather", maps, gather_at, gather_slot_bytes, gather_slots) \
             if gather_slot_bytes else None
@@ -531,41 +356,27 @@ class HostComm:
         """Raise :class:`HostCommError` naming the first peer whose process is gone, or that closed its segments or
         posted a failure."""
         for r in self._others:
-            state = int(self._control[r][_STATE])
-            if state == _FAILED:
-                why = f"failed: {self._message(r)}"
-            elif state == _CLOSED:
+            state = self._segments.state(r)
+            if state == FAILED:
+                why = f"failed: {self._segments.message(r)}"
+            elif state == CLOSED:
                 why = "closed its shared-memory segments (its engine was destroyed)"
-            elif self._gone(r):
+            elif self._segments.gone(r):
                 why = "exited: its process is gone"
             else:
                 continue
             err = self.fail(HostCommError(f"deepspeed-compile: rank {r} {why}, while rank {self.rank} waits for "
-                                          f"{waiting_for()}"), post=state != _FAILED)
-            if state == _FAILED:
+                                          f"{waiting_for()}"), post=state != FAILED)
+            if state == FAILED:
                 self.diverged(why)
             raise err
-
-    def _gone(self, r: int) -> bool:
-        """Whether rank ``r``'s process has ended: the kernel released the lock it held on its segment."""
-        fd = self._segments.fds[r]
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return True
-
-    def _message(self, r: int) -> str:
-        n = min(int(self._control[r][_MESSAGE_LEN]), _MESSAGE_MAX)
-        return bytes(self._segments.maps[r][_MESSAGE_AT:_MESSAGE_AT + n]).decode(errors="replace")
 
     # ----- failures and the end -----------------------------------------------------------------------------------
     def post_failure(self, message: str) -> None:
         """Tell the peers this rank cannot go on (``message`` says why): a peer's next wait on shared memory raises
         naming this rank and ``message``, instead of waiting for collectives this rank will not start."""
         if not self.closed:
-            self._segments.set_state(_FAILED, message)
+            self._segments.set_state(FAILED, message)
 
     def diverged(self, why: str) -> None:
         if self.on_diverged is not None:
@@ -585,7 +396,6 @@ class HostComm:
         self.closed = True
         for channel in self.channels:
             channel._meta = channel._published = channel._consumed = channel._data = None
-        self._control = None
         self._finalizer()
 
 
@@ -605,16 +415,6 @@ class HostCommOwner:
         destroy; process exit does it too)."""
         if self.host is not None:
             self.host.close()
-
-
-def _attempt(step: Callable[[], None]) -> Optional[str]:
-    try:
-        step()
-        return None
-    except OSError as err:
-        return str(err) if err.filename is None else f"{err.strerror}: {err.filename}"
-    except Exception as err:  # any rank's failure must reach the agreement, or the others would wait for it
-        return f"{type(err).__name__}: {err}"
 
 
 def open_host_comm(mode: str, group, device: torch.device, gather_slot_bytes: int, reduce_slot_bytes: int,
