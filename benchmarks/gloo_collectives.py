@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.checkout import use_checkout  # noqa: E402
 
 use_checkout()
-from deepspeed.compile.runtime.host_comm import (REDUCE_SLOT_BYTES, Channel, new_token, start_gather,  # noqa: E402
+from deepspeed.compile.runtime.host_comm import (REDUCE_SLOT_BYTES, Channel, HostComm, start_gather,  # noqa: E402
                                                  start_sum)
 
 
@@ -114,9 +114,8 @@ def main() -> None:
         _race(args.race, args.race_form, world)
         dist.destroy_process_group()
         return
-    rank, token = dist.get_rank(), new_token(None)
-    gather_channel = Channel(None, rank, world, (1 << 20) // world * 4, 8, token, "g")  # the runtime's slots
-    reduce_channel = Channel(None, rank, world, REDUCE_SLOT_BYTES, 4, token, "r")
+    host = HostComm(None, (1 << 20) // world * 4, REDUCE_SLOT_BYTES)  # the runtime's slots for a large model
+    rank, gather_channel, reduce_channel = dist.get_rank(), host.gather, host.reduce
     for mib in (float(m) for m in args.mib.split(",")):
         numel = int(mib * 2**20 / 4) // world * world
         bucket, part, gathered = torch.randn(numel), torch.randn(numel // world), torch.empty(numel)
