@@ -46,6 +46,26 @@ def test_installed_package_takes_precedence():
     assert os.path.isfile(os.path.join(os.path.dirname(_active_module_file("stock")), "init_z3.py"))
 
 
+def test_uninstalling_leaves_the_stock_module():
+    """``pip uninstall`` removes exactly the files the installed distribution's RECORD lists: all are our package, its
+    metadata, the import hook and the one ``.pth`` that loads it; none is under DeepSpeed's own ``deepspeed/``. With
+    them gone nothing answers for ``deepspeed.compile`` but DeepSpeed's own module (``stock`` above imports it)."""
+    try:
+        dist = metadata.distribution("deepspeed-compile")
+    except metadata.PackageNotFoundError:
+        pytest.skip("deepspeed-compile is not installed in this environment (pip install . installs it)")
+    files = [str(f) for f in dist.files]
+    dist_info = f"deepspeed_compile-{dist.version}.dist-info/"
+    outside = sorted(f for f in files if not f.startswith(("deepspeed_compile/", dist_info)))
+    pth = [f for f in outside if f.endswith(".pth")]
+    assert pth == ["deepspeed_compile-precedence.pth"], outside
+    assert set(outside) - set(pth) <= {"_deepspeed_compile_hook.py",
+                                       f"__pycache__/_deepspeed_compile_hook.{sys.implementation.cache_tag}.pyc"}, outside
+    assert not any(f.startswith("deepspeed/") for f in files), outside
+    hook = dist.locate_file(pth[0]).read_text().strip().splitlines()
+    assert len(hook) == 1 and hook[0].startswith("import _deepspeed_compile_hook"), hook
+
+
 def test_unknown_compile_key_names_the_key():
     from deepspeed.compile.config import CompileConfig
     with pytest.raises(ValueError, match="partitionr"):
