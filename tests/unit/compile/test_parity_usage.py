@@ -505,14 +505,15 @@ def _world4_pairs(host_comm):
 
 @pytest.mark.parametrize("host_comm", ["auto", "gloo"])
 def test_world_size_4_matches_eager_zero3(host_comm):
-    """Not bitwise: with 4 ranks the reduce-scatter adds 4 contributions per element, and gloo's order of addition
-    depends on where the element sits in the flat bucket. The compiled graph's buckets (filled in backward-graph
-    order) are laid out differently from eager ZeRO-3's, so a gradient may differ by the rounding of a re-associated
-    4-term sum: at most 3 * 2^-24 relative to the sum of the terms' magnitudes per element; norm-wise 1e-6 relative
-    is allowed (measured: 8e-9 on the MLP's fc1/head weights, bitwise on the GPT). DeepCompile's reductions go through
-    shared memory with host_comm "auto" (all ranks on one host), which adds the 4 terms in rank order: another
-    association, the same bound; with "gloo" through the process group, in gloo's order. With 2 ranks a + b == b + a and everything is bitwise equal (test_pipeline.py). SGD,
-    so parameters carry the gradients' scale."""
+    """Not bitwise: with 4 ranks each gradient element is a sum of 4 contributions, added in another order by each
+    engine. Eager ZeRO-3 reduces its buckets through gloo, whose order of addition depends on where the element sits
+    in the flat bucket; the compiled graph's buckets (filled in backward-graph order) are laid out differently and go
+    through shared memory with host_comm "auto" (all ranks on one host: the 4 terms added in rank order), or through
+    the process group with "gloo" (gloo's order, at the element's other position). Either way a gradient may differ by
+    the rounding of a re-associated 4-term sum: at most 3 * 2^-24 relative to the sum of the terms' magnitudes per
+    element; norm-wise 1e-6 relative is allowed (measured: 8e-9 on the MLP's fc1/head weights, bitwise on the GPT).
+    With 2 ranks a + b == b + a and everything is bitwise equal (test_pipeline.py). SGD, so parameters carry the
+    gradients' scale."""
     from compare import assert_ran_compiled, assert_transport, max_rel_diff, rel_diffs, unequal
     results = run_distributed(_world4_pairs, host_comm, world_size=4, timeout_s=400)
     assert len(results) == 4

@@ -316,7 +316,8 @@ def test_inductor_matches_eager_zero(stage):
         assert len(r["grads"]) == STEPS, len(r["grads"])
         print(f"ZeRO-{stage} inductor:", check_fp32_close(r))
         # inductor's graphs call the fused reduces too (its chain of collectives waits on their tokens)
-        assert r["counters"]["matmul_grads"] > 0 and (r["counters"]["grads_in_bucket"] > 0) == (stage == 2), r["counters"]
+        c = r["counters"]
+        assert c["matmul_grads"] > 0 and (c["grads_in_bucket"] > 0) == (stage == 2), c
 
 
 # ----- a transformers model at DeepSpeed's default settings ------------------------------------------------------
