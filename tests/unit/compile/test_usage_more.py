@@ -228,3 +228,71 @@ def test_checkpoint_round_trips_match_eager_zero3(tmp_path):
                     assert compiled[key] == eager[key], (case, key, compiled[key], eager[key])
                 for key in ("params_saved", "params", "module_only_params"):
                     assert unequal(compiled[key], eager[key]) == [], (case, key, unequal(compiled[key], eager[key]))
+
+
+# ----- a malformed batch on one rank ---------------------------------------------------------------------------------
+def _bad_batch_on_rank1(kind: str, section) -> list:
+    """One good step, then rank 1 alone gets a malformed batch (``kind``: "float64" inputs for a float32 model, or
+    "empty": no rows) while rank 0 trains on a good one; returns the losses if nothing raised."""
+    import torch.distributed as dist
+    from models import ds_config, make_batch
+    engine = _engine("mlp", ds_config(3, section))
+    losses = []
+    for step in range(3):
+        x, y = make_batch("mlp", step, dist.get_rank())
+        if step == 1 and dist.get_rank() == 1:
+            x, y = (x.double(), y.double()) if kind == "float64" else (x[:0], y[:0])
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _outcome(kind: str, section) -> str:
+    """What the run ended with: "ok", or the harness's failure message."""
+    try:
+        run_distributed(_bad_batch_on_rank1, kind, section, timeout_s=90, collective_timeout_s=20)
+    except (RankFailure, RankTimeout) as err:
+        return f"{type(err).__name__}: {err}"
+    return "ok"
+
+
+def _rank_errors(outcome: str) -> Dict[int, str]:
+    """Each failed rank's traceback in a harness failure message, by rank."""
+    import re
+    parts = re.split(r"--- rank (\d+) ---\n", outcome.split("\n--- rank 0: last")[0])
+    return {int(rank): text for rank, text in zip(parts[1::2], parts[2::2])}
+
+
+def test_float64_batch_on_one_rank_fails_both_ranks_with_the_cause():
+    """Rank 1 alone feeds float64 inputs to a float32 model at step 1. Eager ZeRO-3: rank 1 raises torch's dtype error,
+    rank 0's collective fails when rank 1's process is gone. DeepCompile the same: rank 1 raises the dtype error from
+    its compiled forward, and rank 0, waiting in a gather, raises at once naming rank 1 (no hang, no timeout)."""
+    eager, compiled = (_outcome("float64", section) for section in (None, {"deepcompile": True,
+                                                                           "collective_timeout_s": 10}))
+    print(eager, compiled, sep="\n")
+    for outcome in (eager, compiled):
+        assert outcome.startswith("RankFailure") and "were still running" not in outcome, outcome[-3000:]
+        errors = _rank_errors(outcome)
+        assert sorted(errors) == [0, 1], errors
+        assert "must have the same dtype, but got Double and Float" in errors[1], errors[1]
+    # rank 0's error names rank 1 and what it was waiting for
+    assert "HostCommError: deepspeed-compile: rank 1 exited" in _rank_errors(compiled)[0], compiled[-3000:]
+
+
+def test_empty_batch_on_one_rank_does_not_hang():
+    """Rank 1 alone gets a batch of no rows at step 1. Eager ZeRO-3 trains on (rank 1's loss, a mean over nothing, is
+    NaN). DeepCompile traces the new shape and fails there: torch's own mse_loss backward decomposition divides by
+    the element count (ZeroDivisionError), and rank 0, waiting in a gather, raises at once with rank 1's cause. What this
+    checks: both ranks end with an error that says why, none waits for the timeout."""
+    eager = _outcome("empty", None)
+    compiled = _outcome("empty", {"deepcompile": True, "collective_timeout_s": 10})
+    print(eager, compiled, sep="\n")
+    assert eager == "ok"
+    assert compiled.startswith("RankFailure") and "were still running" not in compiled, compiled[-3000:]
+    errors = _rank_errors(compiled)
+    assert sorted(errors) == [0, 1], errors
+    assert "ZeroDivisionError" in errors[1], errors[1][-2000:]
+    assert "HostCommError: deepspeed-compile: rank 1 failed: compiling a graph failed (ZeroDivisionError" in errors[0], (
+        errors[0][-2000:])
