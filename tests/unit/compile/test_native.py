@@ -191,13 +191,18 @@ def _rank_cuda_collective_forms() -> Dict[str, tuple]:
     through the native op's start form (``GatherRuns.native_start``, on only for CUDA parameters) and each gradient
     bucket reduce-scattered (``GradientReducer._all_reduce`` off, as on NCCL), then in the gloo forms (a run received
     as rows of one all-gather, a bucket all-reduced in place). GPT under autocast (runs cast to bf16 before they are
-    sent), a 3000-element prefetch bucket (runs of several parameters, the next started ahead), eager backend."""
+    sent), a 3000-element prefetch bucket (runs of several parameters, the next started ahead), eager backend, SGD;
+    and eager ZeRO-3 on the same data (under autocast and, for the bound, fp32), as the reference for the CUDA forms."""
     import torch.distributed as dist
     import deepspeed.compile.runtime.z3_runs as z3_runs
     from deepspeed.compile.engine_state import runtime_of
     from deepspeed.compile.report import engine_report, issued_collectives, record_gathered_timeline
+    from compare import compiled_record, run_eager, train_and_record
     from models import ds_config
-    from training import make_engine, train
+    from training import make_engine
+    overrides = {"stage3_prefetch_bucket_size": 3000}
+    reference = run_eager("gpt", 3, dtype="autocast", optimizer="sgd", zero_overrides=overrides)
+    reference["fp32_grads"] = run_eager("gpt", 1, optimizer="sgd", zero_overrides=overrides)["eager_grads"]
     calls = {"start": 0, "reduce_scatter": 0}
     start, reduce_scatter = z3_runs.cast_all_gather_start, dist.reduce_scatter_single
 
@@ -212,21 +217,23 @@ def _rank_cuda_collective_forms() -> Dict[str, tuple]:
     out = {}
     try:
         for forms in ("cuda", "gloo"):
-            engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": "native", "host_comm": "gloo"}, "autocast",
-                                                  zero_overrides={"stage3_prefetch_bucket_size": 3000}))
+            engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "native_op": "native", "host_comm": "gloo"},
+                                                  "autocast", optimizer="sgd", zero_overrides=overrides))
             engine.compile(backend="eager")
             runtime = runtime_of(engine)
             runtime.runs.native_start = forms == "cuda"
             runtime.reducer._all_reduce = forms == "gloo"
             record_gathered_timeline(engine)
             first_id = min(runtime.params)  # each engine numbers its parameters on from the last one's
-            norms = []
-            losses = train(engine, "gpt", 3, after_step=lambda e: norms.append(float(e.get_global_grad_norm())))
+            record = train_and_record(engine, "gpt", 3, grad_steps=1)
+            losses, norms = record["losses"], record["grad_norms"]
             report = engine_report(engine)
             issued = [(kind, tuple(i - first_id for i in ds_ids), numel)
                       for kind, ds_ids, numel in issued_collectives(engine)]
-            out[forms] = {"losses": losses, "norms": norms, "issued": issued, "bytes": report["allgather_bytes_by_dtype"],
-                          "ahead": report["runs_started_ahead"], "calls": dict(calls)}
+            out[forms] = {"losses": losses, "norms": norms, "issued": issued,
+                          "bytes": report["allgather_bytes_by_dtype"],
+                          "ahead": report["runs_started_ahead"], "calls": dict(calls),
+                          "compared": {**reference, **record, **compiled_record(engine)}}
             calls.update(start=0, reduce_scatter=0)
             engine.destroy()
     finally:
@@ -303,9 +310,15 @@ def test_cuda_collective_forms_train_as_the_gloo_forms(native_library: str) -> N
     the same losses and gradient norms as the gloo forms, issue the same collectives (kind, parameters, size, in
     order) and gather the same bytes per dtype: the native start form receives a run in the same rank-major rows as
     the gloo all-gather, and a rank's row of the summed bucket is its reduce-scatter output (the same sum of the
-    same values). The spies show that each engine ran its own forms and only those."""
+    same values). The spies show that each engine ran its own forms and only those. Both are checked against eager
+    ZeRO-3 trained in the same ranks, within the stated bf16 bound (``compare.check_bf16_against_eager``): two forms
+    that agree with each other could both be wrong."""
+    from compare import assert_ran_compiled, check_bf16_against_eager
     for r in run_distributed(_rank_cuda_collective_forms, timeout_s=300):
         cuda, gloo = r["cuda"], r["gloo"]
+        for forms in (cuda, gloo):
+            assert_ran_compiled(forms["compared"])
+            print(check_bf16_against_eager(forms["compared"], "autocast"))
         assert cuda["calls"]["start"] > 0 and cuda["calls"]["reduce_scatter"] > 0, cuda["calls"]
         assert gloo["calls"] == {"start": 0, "reduce_scatter": 0}, gloo["calls"]
         assert cuda["ahead"] > 0 and gloo["ahead"] > 0
