@@ -3,7 +3,7 @@
 
 The compiled backward hands each gradient to ZeRO's optimizer as soon as it exists (``runtime/z12.py``) and returns
 None for it; ZeRO then reduces it with its own buckets and collectives. fp32 with the eager backend therefore does
-eager ZeRO's arithmetic in its order: losses, gradients (after the first backwards; ZeRO-2 exposes them only at an
+eager ZeRO's arithmetic in its order: losses, gradients (after every backward; ZeRO-2 exposes them only at an
 accumulation boundary), the global gradient norm, parameters and the optimizer's fp32 master copies are compared
 bitwise, across: tied weights (TinyGPT's embedding is its output head), 2 micro-steps of accumulation, frozen
 parameters, gradient clipping that clips, the blocks compiled one by one (``regions: "blocks"``: one graph, traced on the
@@ -157,9 +157,9 @@ def _stage_cases(stage, ckpt_dir):
     from compare import run_pair
     out = {}
     for case, (model, kwargs) in FP32_CASES.items():
-        # gradients after every backward of the first 2 steps; ZeRO-2 (full gradients only at an accumulation
-        # boundary) after each step's last one
-        out[case] = _summary(run_pair(model, STEPS, stage=stage, grad_steps=2, **kwargs), stage)
+        # gradients after every backward; ZeRO-2 (full gradients only at an accumulation boundary) after each step's
+        # last one
+        out[case] = _summary(run_pair(model, STEPS, stage=stage, grad_steps=None, **kwargs), stage)
     for how in ("break", "disable", "embedding"):
         out[how] = _with_hooks(stage, how)
     out["checkpoint"] = _checkpoint_round_trip(stage, ckpt_dir)
@@ -189,8 +189,8 @@ def test_fp32_matches_eager_zero_bitwise(stage_results, case):
         assert r["counters"]["eager_grads"] == (4 * STEPS if case == "blocks" else 0), r["counters"]
         assert r["losses"][0] == r["losses"][1], r["losses"]
         assert r["grad_norms"][0] == r["grad_norms"][1], r["grad_norms"]
-        # 2 steps' gradients: of each micro-step, or, ZeRO-2 under accumulation, of each step's boundary
-        assert len(r["grads"]) == (4 if case == "accumulation" and stage == 1 else 2), r["grads"]
+        # every step's gradients: of each micro-step, or, ZeRO-2 under accumulation, of each step's boundary
+        assert len(r["grads"]) == (2 * STEPS if case == "accumulation" and stage == 1 else STEPS), r["grads"]
         assert all(not names for names in r["grads"]), r["grads"]
         assert r["params"] == [] and r["master"] == [], (r["params"], r["master"])
         assert r["counters"]["reduces"] > 0 and r["counters"]["reduce_collectives"] > 0, r["counters"]
