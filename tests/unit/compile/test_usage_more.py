@@ -19,13 +19,18 @@ from distributed import RankFailure, RankTimeout, run_distributed
 
 # ----- engines the helpers in compare.py do not build ---------------------------------------------------------------
 def _engine(model: str, config: Dict[str, Any], model_parameters=None):
-    """An engine on ``model`` (seed 0), compiled with the eager backend if ``config`` has a compile section;
-    ``model_parameters(module)`` gives what ``deepspeed.initialize`` gets (default: the parameters in a list)."""
+    """An engine on ``model`` (seed 0; a name in models.py or one of :data:`MODELS` here), compiled with the eager
+    backend if ``config`` has a compile section; ``model_parameters(module)`` gives what ``deepspeed.initialize`` gets
+    (default: the parameters in a list)."""
     import deepspeed
     from models import make_model
     torch._dynamo.reset()  # each engine starts from dynamo's empty caches
     deepspeed.init_distributed(dist_backend="gloo")
-    module = make_model(model)
+    if model in MODELS:
+        torch.manual_seed(0)
+        module = MODELS[model]()
+    else:
+        module = make_model(model)
     params = model_parameters(module) if model_parameters else list(module.parameters())
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config)
     if "compile" in config:
@@ -35,17 +40,46 @@ def _engine(model: str, config: Dict[str, Any], model_parameters=None):
 
 def _recorded_pair(model: str, steps: int, config_of, model_parameters=None, grad_steps: int = 1) -> Dict[str, Any]:
     """What ``compare.run_pair`` returns, for engines built by :func:`_engine`: ``config_of(section)`` is the config,
-    with ``section`` None for eager ZeRO and the compile section for DeepCompile."""
+    with ``section`` None for eager ZeRO and the compile section for DeepCompile. The models of :data:`MODELS` train
+    on the MLP's data."""
     from compare import compiled_record, train_and_record
+    data = "mlp" if model in MODELS else model
     eager = _engine(model, config_of(None), model_parameters)
-    out = {f"eager_{k}": v for k, v in train_and_record(eager, model, steps, grad_steps).items()}
+    out = {f"eager_{k}": v for k, v in train_and_record(eager, data, steps, grad_steps).items()}
     out["eager_lrs"] = [(g["lr"], g["weight_decay"]) for g in eager.optimizer.param_groups]
     eager.destroy()
     compiled = _engine(model, config_of({"deepcompile": True}), model_parameters)
-    out.update(train_and_record(compiled, model, steps, grad_steps))
+    out.update(train_and_record(compiled, data, steps, grad_steps))
     out.update(compiled_record(compiled), lrs=[(g["lr"], g["weight_decay"]) for g in compiled.optimizer.param_groups])
     compiled.destroy()
     return out
+
+
+class DeepSpeedMoE(torch.nn.Module):
+    """DeepSpeed's own ``deepspeed.moe.layer.MoE`` (4 linear experts, top-1 gate) between two dense layers, its
+    load-balancing loss added to the loss; inputs and targets as the MLP's (models.make_batch("mlp", ...)). Built
+    after ``init_distributed``: the layer creates its expert-parallel groups (``ep_size``)."""
+
+    def __init__(self, ep_size: int = 1, dim: int = 16):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+        self.inp = torch.nn.Linear(dim, dim)
+        self.moe = MoE(hidden_size=dim, expert=torch.nn.Linear(dim, dim), num_experts=4, ep_size=ep_size, k=1,
+                       min_capacity=4)
+        self.head = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, aux, _ = self.moe(self.inp(x))
+        return torch.nn.functional.mse_loss(self.head(h), y) + 0.01 * aux
+
+
+MODELS = {"ds_moe_ep1": lambda: DeepSpeedMoE(1), "ds_moe_ep2": lambda: DeepSpeedMoE(2)}
+
+
+def _moe_groups(module):
+    """The parameter groups DeepSpeed's MoE needs: experts apart, by expert-parallel group."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    return split_params_into_different_moe_groups_for_optimizer({"params": list(module.parameters()), "name": "p"})
 
 
 # ----- several parameter groups; bf16 accumulation with clipping; two intra-op threads -------------------------------
@@ -186,8 +220,16 @@ def _checkpoint_round_trip(ckpt_dir: str, case: str, section) -> Dict[str, Any]:
     return out
 
 
+def _allow_fp16_on_cpu() -> None:
+    """DeepSpeed refuses fp16 on a CPU without AVX512-FP16 (``is_fp16_supported`` asks oneDNN), though torch runs
+    fp16 on any CPU (as test_parity_usage.py). Both engines run under the same override: like for like."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+        accelerator.is_fp16_supported = lambda: True
+
+
 def _checkpoint_runs(ckpt_dir: str):
-    from test_parity_usage import _allow_fp16_on_cpu
     _allow_fp16_on_cpu()  # both engines under the same override
     return {case: (_checkpoint_round_trip(ckpt_dir, case, None),
                    _checkpoint_round_trip(ckpt_dir, case, {"deepcompile": True}))
@@ -296,3 +338,89 @@ def test_empty_batch_on_one_rank_does_not_hang():
     assert "ZeroDivisionError" in errors[1], errors[1][-2000:]
     assert "HostCommError: deepspeed-compile: rank 1 failed: compiling a graph failed (ZeroDivisionError" in errors[0], (
         errors[0][-2000:])
+
+
+# ----- 4 ranks: ZeRO-2, bf16, inductor --------------------------------------------------------------------------------
+WORLD4_TOL = 1e-6  # as test_parity_usage.py's world-size-4 test: gloo adds 4 terms in another order (see there)
+INDUCTOR_TOL = 1e-5  # as test_inductor.py's FP32_TOL: inductor reorders fp32 sums (see there)
+
+
+def _world4_runs():
+    import torch.distributed as dist
+    from compare import run_eager, run_pair
+    return {"world_size": dist.get_world_size(),
+            "zero2": run_pair("gpt", 3, stage=2, optimizer="sgd", grad_steps=2),
+            "bf16": {**run_pair("gpt", 3, "bf16", optimizer="sgd"),
+                     "fp32_grads": run_eager("gpt", 1, optimizer="sgd")["eager_grads"]}}
+
+
+def _world4_inductor():
+    import torch.distributed as dist
+    from compare import run_pair
+    return {"world_size": dist.get_world_size(),
+            "inductor": run_pair("mlp", 3, backend="inductor", optimizer="sgd", grad_steps=2)}
+
+
+def _worst_fp32(r: Dict[str, Any]) -> Dict[str, float]:
+    """Norm-wise relative differences from eager ZeRO, the worst of each kind: losses, global gradient norms,
+    gradients after each recorded backward, parameters after training."""
+    from compare import max_rel_diff, rel_diffs
+    assert len(r["grads"]) == len(r["eager_grads"]) > 0
+    worst = {"loss": max_rel_diff(r["eager_losses"], r["losses"]),
+             "grad_norm": max_rel_diff(r["eager_grad_norms"], r["grad_norms"]),
+             "params": max(rel_diffs(r["params"], r["eager_params"]).values())}
+    for i, (g, eg) in enumerate(zip(r["grads"], r["eager_grads"])):
+        worst[f"grad{i}"] = max(rel_diffs(g, eg).values())
+    return worst
+
+
+def test_world_size_4_zero2_and_bf16_match_eager_zero():
+    """4 ranks: ZeRO-2 (fp32, against eager ZeRO-2) within the 4-rank fp32 tolerance; ZeRO-3 bf16 within
+    ``check_bf16_against_eager``'s bound. SGD."""
+    from compare import assert_ran_compiled, check_bf16_against_eager
+    results = run_distributed(_world4_runs, world_size=4, timeout_s=400)
+    assert len(results) == 4
+    for out in results:
+        assert out["world_size"] == 4
+        for case in ("zero2", "bf16"):
+            assert_ran_compiled(out[case])
+        assert out["zero2"]["stage"] == 2
+        worst = _worst_fp32(out["zero2"])
+        assert all(v <= WORLD4_TOL for v in worst.values()), ("zero2", worst)
+        print("bf16:", check_bf16_against_eager(out["bf16"], "bf16"))
+
+
+def test_world_size_4_inductor_matches_eager_zero3(tmp_path, monkeypatch):
+    """4 ranks, ZeRO-3 compiled by inductor, within inductor's fp32 tolerance. SGD. (4 ranks compiling C++ on a
+    2-core machine: the slowest test here.)"""
+    from compare import assert_ran_compiled
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
+    results = run_distributed(_world4_inductor, world_size=4, timeout_s=500)
+    assert len(results) == 4
+    for out in results:
+        assert out["world_size"] == 4
+        assert_ran_compiled(out["inductor"])
+        worst = _worst_fp32(out["inductor"])
+        print("inductor:", worst)
+        assert all(v <= INDUCTOR_TOL for v in worst.values()), ("inductor", worst)
+
+
+# ----- DeepSpeed's own MoE layer --------------------------------------------------------------------------------------
+def _moe_runs():
+    from models import ds_config
+    return {model: _recorded_pair(model, 3, lambda section: ds_config(2, section, optimizer="sgd"), _moe_groups,
+                                  grad_steps=2)
+            for model in ("ds_moe_ep1", "ds_moe_ep2")}
+
+
+def test_deepspeed_moe_layer_with_expert_parallel_groups_matches_eager_zero2():
+    """``deepspeed.moe.layer.MoE`` with ``ep_size`` 1 (every rank holds the 4 experts) and 2 (2 experts a rank, tokens
+    exchanged by all-to-all), its parameters split into DeepSpeed's MoE optimizer groups, at ZeRO-2: bitwise eager
+    ZeRO-2's training, no gradient from eager code. (Stock DeepSpeed refuses its native MoE at ZeRO-3 in
+    ``deepspeed.initialize``, eager or compiled: "Native DeepSpeed MoE is not supported with ZeRO Stage 3".)"""
+    from compare import assert_bitwise_equal, assert_ran_compiled
+    for out in run_distributed(_moe_runs):
+        for model, r in out.items():
+            assert_ran_compiled(r)
+            assert_bitwise_equal(r)
+            assert len(r["lrs"]) == len(r["eager_lrs"]) == 2, (model, r["lrs"])  # the dense and the expert group
