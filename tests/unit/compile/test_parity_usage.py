@@ -2,9 +2,10 @@
 """Set-ups users run, each against eager ZeRO-3 on the same data in the same ranks (gloo, eager backend).
 
 fp32 and fp16 cases do eager ZeRO-3's arithmetic in its order, so losses, gradients (after every backward of the
-first steps), global gradient norms, parameters and buffers are compared bitwise (see test_pipeline.py); so is
-everything about fp16 loss scaling (which step overflows and is skipped, the scale after each step, parameters left
-untouched by the skipped step). The exception is world size 4, where gloo's summation order differs (see there).
+first steps; fp16 loss scaling's after every backward), global gradient norms, parameters and buffers are compared
+bitwise (see test_pipeline.py); so is everything about fp16 loss scaling (which step overflows and is skipped, the
+scale after each step, parameters left untouched by the skipped step). The exception is world size 4, where the
+order of summation differs (see there).
 """
 import math
 
@@ -568,8 +569,7 @@ def _fp16_run(compile_section, stage=3):
         out["scale_before"] = out.get("scale_before", engine.optimizer.loss_scale)
         loss = engine(x, y)
         engine.backward(loss)
-        if step == 0:
-            out["grads"].append(full_grads(engine))
+        out["grads"].append(full_grads(engine))  # every backward, the overflowing one included
         engine.step()
         out["losses"].append(loss.item())
         out["skipped"].append(engine.skipped_steps)
@@ -611,7 +611,13 @@ def test_fp16_dynamic_loss_scaling_matches_eager_zero(stage, host_comm):
         assert math.isinf(compiled["losses"][OVERFLOW_STEP])
         # the numbers: bitwise (fp16 gradients are compared as the optimizer holds them, times the loss scale)
         assert compiled["losses"] == eager["losses"]
-        assert not unequal(compiled["grads"][0], eager["grads"][0])
+        assert len(compiled["grads"]) == len(eager["grads"]) == FP16_STEPS
+        for i, (g, eg) in enumerate(zip(compiled["grads"], eager["grads"])):
+            if i == OVERFLOW_STEP:  # inf and NaN where they overflowed (NaN is not equal to itself): NaN in the same
+                nan = [{k: v.isnan().float() for k, v in grads.items()} for grads in (g, eg)]  # places, rest equal
+                assert not unequal(*nan), f"backward {i}: NaN in other places for {unequal(*nan)}"
+                g, eg = ({k: torch.nan_to_num(v, nan=0.0) for k, v in grads.items()} for grads in (g, eg))
+            assert not unequal(g, eg), f"backward {i}: gradients differ for {unequal(g, eg)}"
         assert not unequal(compiled["params"], eager["params"])
         # and they are fp16 numbers, not fp32 ones: the unscaled gradient is off the fp32 one by fp16 rounding
         unscaled = {k: v / eager["scale_before"] for k, v in compiled["grads"][0].items()}
