@@ -240,9 +240,10 @@ def test_checkpoint_round_trips_match_eager_zero3(tmp_path):
     """Saved, trained on, loaded, trained again: the same losses (and loss scales) after the load as after the save,
     the parameters, the fp32 master copies and the loss scale as saved; the compiled engine still runs its graphs
     after the load. bf16, fp16 with dynamic loss scaling (an overflow before the save and one after it), and fp32
-    with persistent parameters. Then ``load_module_only`` (with ``load_optimizer_states=False``): a fresh engine gets the saved parameters and a fresh
-    optimizer (the initial loss scale). Against eager ZeRO-3 doing the same: bitwise in fp16 and fp32, within bf16's
-    loss tolerance of ``check_bf16_against_eager`` in bf16 (its linear layers round differently, compare.py)."""
+    with persistent parameters. Then ``load_module_only`` (with ``load_optimizer_states=False``): a fresh engine gets
+    the saved parameters and a fresh optimizer (the initial loss scale). Against eager ZeRO-3 doing the same: bitwise
+    in fp16 and fp32, within bf16's loss tolerance of ``check_bf16_against_eager`` in bf16 (its linear layers round
+    differently, compare.py)."""
     from compare import assert_ran_compiled, max_rel_diff, unequal
     for out in run_distributed(_checkpoint_runs, str(tmp_path)):
         for case, (eager, compiled) in out.items():
@@ -326,8 +327,8 @@ def test_float64_batch_on_one_rank_fails_both_ranks_with_the_cause():
 def test_empty_batch_on_one_rank_does_not_hang():
     """Rank 1 alone gets a batch of no rows at step 1. Eager ZeRO-3 trains on (rank 1's loss, a mean over nothing, is
     NaN). DeepCompile traces the new shape and fails there: torch's own mse_loss backward decomposition divides by
-    the element count (ZeroDivisionError), and rank 0, waiting in a gather, raises at once with rank 1's cause. What this
-    checks: both ranks end with an error that says why, none waits for the timeout."""
+    the element count (ZeroDivisionError), and rank 0, waiting in a gather, raises at once with rank 1's cause. What
+    this checks: both ranks end with an error that says why, none waits for the timeout."""
     eager = _outcome("empty", None)
     compiled = _outcome("empty", {"deepcompile": True, "collective_timeout_s": 10})
     print(eager, compiled, sep="\n")
@@ -336,8 +337,8 @@ def test_empty_batch_on_one_rank_does_not_hang():
     errors = _rank_errors(compiled)
     assert sorted(errors) == [0, 1], errors
     assert "ZeroDivisionError" in errors[1], errors[1][-2000:]
-    assert "HostCommError: deepspeed-compile: rank 1 failed: compiling a graph failed (ZeroDivisionError" in errors[0], (
-        errors[0][-2000:])
+    cause = "HostCommError: deepspeed-compile: rank 1 failed: compiling a graph failed (ZeroDivisionError"
+    assert cause in errors[0], errors[0][-2000:]
 
 
 # ----- 4 ranks: ZeRO-2, bf16, inductor --------------------------------------------------------------------------------
