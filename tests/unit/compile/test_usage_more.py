@@ -128,7 +128,8 @@ def test_parameter_groups_with_their_own_lr_and_weight_decay_match_eager_zero3(p
 
 def test_bf16_accumulation_with_clipping_matches_eager_zero3(parity_runs):
     """bf16 parameters, 2 micro-steps a step, SGD steps clipped to norm 0.05: within the bf16 bound of
-    ``check_bf16_against_eager`` after the first backward, and the same per-parameter bound (eager ZeRO-3's own bf16 error, twice)
+    ``check_bf16_against_eager`` after the first backward, and the same per-parameter bound (eager ZeRO-3's own bf16
+    error, twice)
     on each parameter's accumulated gradient after the second."""
     from compare import assert_ran_compiled, bf16_grad_bounds, check_bf16_against_eager, rel_diffs
     for out in parity_runs:
