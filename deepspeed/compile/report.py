@@ -51,8 +51,8 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         report.update({
             # the path the graphs' all-gathers took (several joined by "+"; None before any): "shm" (compile.host_comm),
             # "native" (the native op) or "python"; what compile.native_op loaded is gather_op_loaded
-            "gather_path": "+".join(sorted(runtime.gather_paths)) or None,
-            "gather_collectives_by_path": dict(runtime.gather_paths),
+            "gather_path": "+".join(sorted(c.allgather_collectives_by_path)) or None,
+            "gather_collectives_by_path": dict(c.allgather_collectives_by_path),
             "gather_op_loaded": runtime.gather_op,
             "gather_seconds": c.gather_seconds,
             "runs_started_ahead": c.runs_started_ahead,

@@ -26,6 +26,12 @@ class Counters:
     live_gathered_bytes: int = 0
     peak_gathered_bytes: int = 0
     allgather_bytes_by_dtype: Dict[str, int] = field(default_factory=dict)
+    # the graphs' all-gather collectives by the path they took: "shm" (host_comm's slots), "native" (the native op),
+    # "python" (torch.distributed called from Python)
+    allgather_collectives_by_path: Dict[str, int] = field(default_factory=dict)
+
+    def count_gather_path(self, path: str) -> None:
+        self.allgather_collectives_by_path[path] = self.allgather_collectives_by_path.get(path, 0) + 1
     gather_seconds: float = 0.0  # time spent waiting for all-gathers (exposed communication)
     runs_started_ahead: int = 0  # coalesced runs whose collective had been started before they were needed
     reduce_collectives: int = 0

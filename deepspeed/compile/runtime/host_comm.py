@@ -331,12 +331,12 @@ class HostComm:
         polls, pause = 0, _SLEEP_S[0]
         began = next_check = None
         while not ready():
-            for other in self.channels:
+            polls += 1
+            if polls <= _SPINS:  # most waits end here: nothing else to do yet
+                continue
+            for other in self.channels:  # the other channels moved meanwhile (the module docstring)
                 if other is not channel:
                     other.progress()
-            polls += 1
-            if polls <= _SPINS:
-                continue
             now = time.monotonic()
             if began is None:
                 began, next_check = now, now + _CHECK_PEERS_S

@@ -79,12 +79,10 @@ class Z3Runtime(HostCommOwner):
         self.device = torch.device(engine.device)
         shards_offloaded = any(p.ds_tensor.device != self.device for p in self.sharded.values())
         native = load_native(native_op)
-        # the cast + all-gather compile.native_op loaded; where the graphs' all-gathers went is gather_paths
+        # the cast + all-gather compile.native_op loaded; where the graphs' all-gathers went is counted per path
+        # (Counters.allgather_collectives_by_path)
         self.gather_op = "native" if native is not None else "python"
         self._cast_all_gather = native or cast_all_gather_python
-        # the graphs' all-gather collectives by the path they took ("shm": host_comm's slots, "native": the native
-        # op, "python": torch.distributed called from Python), counted as the counters are (reset_counters)
-        self.gather_paths: Dict[str, int] = {}
         self._gathered: Dict[Tuple[int, torch.dtype], _Gathered] = {}
         self._gathered_at: Dict[int, Tuple[int, torch.dtype]] = {}  # a gathered tensor's data_ptr -> its key
         self._gathered_step = engine.global_steps  # the optimizer step the gathered copies hold the weights of
@@ -115,7 +113,7 @@ class Z3Runtime(HostCommOwner):
         self.runs = GatherRuns(self.params, names, group=self.group, world_size=self.world_size, device=self.device,
                                shards_offloaded=shards_offloaded,
                                native_start=native is not None and self.device.type == "cuda",
-                               prefetch_across_graphs=prefetch_across_graphs, comm=self.comm, paths=self.gather_paths,
+                               prefetch_across_graphs=prefetch_across_graphs, comm=self.comm,
                                host=None if self.host is None else self.host.gather,
                                is_gathered=self._has_copy,
                                add_gathered=lambda param, dtype, flat, shard: self._add_gathered(param, dtype, flat,
@@ -150,7 +148,6 @@ class Z3Runtime(HostCommOwner):
 
     def reset_counters(self) -> None:
         self.comm.reset_counters()
-        self.gather_paths.clear()
 
     # ----- parameters ------------------------------------------------------------------------------------
     def param_ds_ids(self, inputs) -> List[Optional[int]]:
@@ -216,8 +213,7 @@ class Z3Runtime(HostCommOwner):
                 flat = self._cast_all_gather(shard, dtype, self.group, self.world_size, self.comm.timeout)
         self.comm.done("all-gather", start)
         self.counters.allgather_collectives += 1
-        path = "shm" if self.host is not None else self.gather_op
-        self.gather_paths[path] = self.gather_paths.get(path, 0) + 1
+        self.counters.count_gather_path("shm" if self.host is not None else self.gather_op)
         return self._add_gathered(param, dtype, flat, 1, gathered_from)
 
     def _host_gather(self, param: Parameter, shard: Tensor, dtype: torch.dtype) -> Tensor:

@@ -70,7 +70,7 @@ class GatherRuns:
 
     def __init__(self, params: Dict[int, Parameter], names: Dict[int, str], *, group, world_size: int,
                  device: torch.device, shards_offloaded: bool, native_start: bool, prefetch_across_graphs: bool,
-                 comm: CommLog, paths: Dict[str, int], host: Optional[Channel],
+                 comm: CommLog, host: Optional[Channel],
                  is_gathered: Callable[[Tuple[int, torch.dtype]], bool],
                  add_gathered: Callable[[Parameter, torch.dtype, Tensor, Tuple[int, int]], None],
                  name: Callable[[Parameter], str]):
@@ -84,7 +84,6 @@ class GatherRuns:
         self.native_start = native_start
         self.prefetch_across_graphs = prefetch_across_graphs
         self.comm = comm
-        self.paths = paths  # the runtime's count of all-gather collectives by path (Z3Runtime.gather_paths)
         self.host = host  # shared-memory slots for the runs' collectives, where every rank is on this host
         self._is_gathered, self._add_gathered, self._name = is_gathered, add_gathered, name
         # the runs the graphs have started, by their ``plan`` text, in first-use order (decoded once)
@@ -234,7 +233,7 @@ class GatherRuns:
             recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
             work = dist.all_gather_single(recv.view(-1), send, group=self.group, async_op=True)
         self.comm.counters.allgather_collectives += 1
-        self.paths[path] = self.paths.get(path, 0) + 1
+        self.comm.counters.count_gather_path(path)
         self.comm.issued("all-gather", members, width)
         nbytes = width * self.world_size * dtype.itemsize
         self.comm.add_live_bytes(nbytes, eager=False)

@@ -95,7 +95,6 @@ def _rank_gather_runs(through_shm: bool) -> Dict:
     # slots of 500 fp32 elements: a chunk (600 of a rank's elements, or a 700- or 1000-element shard alone) spans two
     host = HostComm(None, 4 * 500, 64, gather_slots=2).gather if through_shm else None
     got = {}
-    paths = {}  # collectives by the path they took
 
     def add(param, dtype, flat, shard):
         got[(param.ds_id, dtype)] = flat.clone()
@@ -103,14 +102,14 @@ def _rank_gather_runs(through_shm: bool) -> Dict:
 
     runs = z3_runs.GatherRuns(params, {i: f"p{i}" for i in params}, group=None, world_size=world,
                               device=torch.device("cpu"), shards_offloaded=False, native_start=False,
-                              prefetch_across_graphs=False, comm=comm, paths=paths, host=host,
+                              prefetch_across_graphs=False, comm=comm, host=host,
                               is_gathered=lambda key: key in got, add_gathered=add, name=lambda p: f"p{p.ds_id}")
     runs.run(encode_plan(first, second), 0, params[0])  # gathers the first run, starts the second
     started_ahead = runs.has_inflight
     runs.finish_inflight()
     out = {"got": got, "live": comm.counters.live_gathered_bytes, "started_ahead": started_ahead,
            "collectives": comm.counters.allgather_collectives, "through_shm": 0 if host is None else host._next,
-           "paths": paths}
+           "paths": comm.counters.allgather_collectives_by_path}
     out["expected"] = {(ds_id, dtype or torch.float32): torch.cat([shard(ds_id, r) for r in range(world)]).to(dtype or torch.float32)
                        for ds_id, dtype in first + second}
     return out
