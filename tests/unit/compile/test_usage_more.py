@@ -2,12 +2,12 @@
 """More set-ups users run, each against eager ZeRO of the same stage on the same data in the same ranks (gloo, eager
 backend unless said): several optimizer parameter groups, bf16 gradient accumulation with clipping, more than one
 intra-op thread, bf16 and fp16 checkpoint round trips (loss-scaler state, persistent parameters,
-``load_module_only``), a malformed batch on one rank, 4 ranks at ZeRO-2, bf16 and with inductor, and DeepSpeed's own
-MoE layer.
+``load_module_only``), a malformed batch on one rank, 4 ranks at ZeRO-2 and in bf16 (inductor at 4 ranks: not
+here, for the suite's time), and DeepSpeed's own MoE layer.
 
 The numbers gate as in test_pipeline.py: fp32 and fp16 bitwise (eager ZeRO's arithmetic in its order); bf16 within
-``compare.check_bf16_against_eager``'s stated bound; 4 ranks within test_parity_usage.py's ``WORLD4_TOL``, and
-inductor within test_inductor.py's ``FP32_TOL``; a malformed batch against what eager ZeRO-3 does with it.
+``compare.check_bf16_against_eager``'s stated bound; 4 ranks within test_parity_usage.py's ``WORLD4_TOL``; a
+malformed batch against what eager ZeRO-3 does with it.
 Each compiled engine is checked to have run its graphs (``compare.assert_ran_compiled``).
 """
 from typing import Any, Dict
@@ -343,9 +343,8 @@ def test_empty_batch_on_one_rank_does_not_hang():
     assert cause in errors[0], errors[0][-2000:]
 
 
-# ----- 4 ranks: ZeRO-2, bf16, inductor --------------------------------------------------------------------------------
+# ----- 4 ranks: ZeRO-2, bf16 ---------------------------------------------------------------------------------------
 WORLD4_TOL = 1e-6  # as test_parity_usage.py's world-size-4 test: gloo adds 4 terms in another order (see there)
-INDUCTOR_TOL = 1e-5  # as test_inductor.py's FP32_TOL: inductor reorders fp32 sums (see there)
 
 
 def _world4_runs():
@@ -355,13 +354,6 @@ def _world4_runs():
             "zero2": run_pair("gpt", 3, stage=2, optimizer="sgd", grad_steps=2),
             "bf16": {**run_pair("gpt", 3, "bf16", optimizer="sgd"),
                      "fp32_grads": run_eager("gpt", 1, optimizer="sgd")["eager_grads"]}}
-
-
-def _world4_inductor():
-    import torch.distributed as dist
-    from compare import run_pair
-    return {"world_size": dist.get_world_size(),
-            "inductor": run_pair("mlp", 3, backend="inductor", optimizer="sgd", grad_steps=2)}
 
 
 def _worst_fp32(r: Dict[str, Any]) -> Dict[str, float]:
@@ -391,21 +383,6 @@ def test_world_size_4_zero2_and_bf16_match_eager_zero():
         worst = _worst_fp32(out["zero2"])
         assert all(v <= WORLD4_TOL for v in worst.values()), ("zero2", worst)
         print("bf16:", check_bf16_against_eager(out["bf16"], "bf16"))
-
-
-def test_world_size_4_inductor_matches_eager_zero3(tmp_path, monkeypatch):
-    """4 ranks, ZeRO-3 compiled by inductor, within inductor's fp32 tolerance. SGD. (4 ranks compiling C++ on a
-    2-core machine: the slowest test here.)"""
-    from compare import assert_ran_compiled
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
-    results = run_distributed(_world4_inductor, world_size=4, timeout_s=500)
-    assert len(results) == 4
-    for out in results:
-        assert out["world_size"] == 4
-        assert_ran_compiled(out["inductor"])
-        worst = _worst_fp32(out["inductor"])
-        print("inductor:", worst)
-        assert all(v <= INDUCTOR_TOL for v in worst.values()), ("inductor", worst)
 
 
 # ----- DeepSpeed's own MoE layer --------------------------------------------------------------------------------------
