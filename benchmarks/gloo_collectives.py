@@ -14,6 +14,9 @@ gloo's, the same three collectives through shared memory as the runtime runs the
 (``compile.host_comm``, ``runtime/host_comm.py``): ``shm_reduce_scatter`` (this rank's row of the bucket summed),
 ``shm_all_reduce`` (all of it, ZeRO-2's form) and ``shm_all_gather``; and ``copy``, one copy of the gathered size.
 
+Last, what a compiled forward graph's start costs, the ranks' agreement (``runtime/agreement.py``): the median of
+``--agree-calls`` calls in a row, through the process group and through shared memory.
+
 ``--race SECONDS`` instead runs one form of a run's gather (``--race-form``) for that long the way the runtime runs it:
 started asynchronously, an all-reduce in flight beside it (a gradient bucket), the host allocating meanwhile, each
 result checked. gloo's coalesced form kills a rank within seconds on 2 CPU ranks: its heap is corrupted (glibc aborts,
@@ -40,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.checkout import use_checkout  # noqa: E402
 
 use_checkout()
+from deepspeed.compile.runtime.agreement import RUN, agree  # noqa: E402
 from deepspeed.compile.runtime.host_comm import (REDUCE_SLOT_BYTES, Channel, HostComm, start_gather,  # noqa: E402
                                                  start_sum)
 
@@ -99,11 +103,26 @@ def _race(seconds: float, form: str, world: int) -> None:
           f"{time.perf_counter() - start:.0f} s, all values right", flush=True)
 
 
+def _agreement_cost(host: HostComm, calls: int) -> str:
+    """Median microseconds of one graph-start agreement in a row of ``calls``, through gloo and through ``host``."""
+    medians = {}
+    for name, through in (("gloo", None), ("shm", host)):
+        dist.barrier()
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            assert agree(None, through, RUN) is None
+            times.append(time.perf_counter() - start)
+        medians[name] = statistics.median(times) * 1e6
+    return ", ".join(f"{name} {us:.0f} us" for name, us in medians.items())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", default="4,24", help="comma-separated bucket sizes, MiB of fp32")
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--members", type=int, default=4, help="parameters in a gathered run")
+    p.add_argument("--agree-calls", type=int, default=200)
     p.add_argument("--race", type=float, default=0.0, metavar="SECONDS",
                    help="run a run's gather beside an all-reduce in flight for this long instead of timing")
     p.add_argument("--race-form", choices=("rows", "per_param"), default="per_param")
@@ -145,6 +164,10 @@ def main() -> None:
                   + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in medians.items())
                   + f"; reduce-scatter / all-reduce {ratio:.2f}x; a run of {len(shards)} parameters gathered per"
                   f" parameter / as rows {per_param:.2f}x")
+    cost = _agreement_cost(host, args.agree_calls)
+    if rank == 0:
+        print(f"the ranks' agreement at a compiled forward graph's start, {world} ranks: {cost}")
+    host.close()
     dist.destroy_process_group()
 
 

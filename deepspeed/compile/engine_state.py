@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NoReturn, Optional, Union
 
 from deepspeed.utils import logger
 
@@ -38,6 +38,8 @@ class DeepCompileState:
     runtime: "Union[Z3Runtime, Z12Runtime]"  # communication and buffers
     stats: "CompileStats"  # what compiling the engine's graphs found
     stage: int = 3  # the ZeRO stage the runtime serves
+    # raises StepAbandoned saying which ranks stopped and why, the engine returned to eager ZeRO (set at activation)
+    on_stopped: Optional[Callable[[Any], NoReturn]] = None
 
 
 def state_of(engine, active_only: bool = True) -> Optional[DeepCompileState]:
@@ -97,15 +99,16 @@ def inductor_settings(backend: str, compile_kwargs: Dict[str, Any]) -> Dict[str,
 def warn_static_shapes(compile_kwargs: Dict[str, Any]) -> bool:
     """``dynamic=False``: every new input shape compiles a graph, and a frame past dynamo's ``recompile_limit`` runs
     eagerly. That is exact when every rank falls back at the same step, but ranks fed different lengths (a collator
-    padding each rank's batch to its own longest) reach the limit at different steps and then issue different
-    collectives: a hang. Warn once, at ``engine.compile()``; returns whether it warned."""
+    padding each rank's batch to its own longest) reach the limit at different steps: every rank then stops that step
+    and the engine leaves DeepCompile (``_agree_on_recompile_limit``). Warn once, at ``engine.compile()``; returns
+    whether it warned."""
     if compile_kwargs.get("dynamic") is not False:
         return False
     import torch
     logger.warning("deepspeed-compile: compile_kwargs dynamic=False compiles a graph for every new input shape; a "
                    f"frame past torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) runs "
-                   "eagerly, and if the ranks see different lengths they reach that limit at different steps and "
-                   "issue different collectives (a hang). Leave dynamic unset (one dynamic graph serves every length) "
+                   "eagerly, and if the ranks see different lengths they reach that limit at different steps: every "
+                   "rank then stops that step and the engine runs uncompiled eager ZeRO from the next. Leave dynamic unset (one dynamic graph serves every length) "
                    "or pad every rank's batches to the same few lengths")
     return True
 
@@ -172,7 +175,9 @@ def _check_regions(engine, compile_config: CompileConfig) -> None:
 
 def _activate(engine, runtime, stage: int, backend: str, compile_config: CompileConfig,
               inductor_config: Dict[str, Any], compile_kwargs: Optional[Dict[str, Any]]) -> Callable:
+    from .capture import recompile_limit
     from .capture.compiler import CompileStats, make_backend
+    from .runtime.agreement import FAILED, StepAbandoned
     state = DeepCompileState(runtime, CompileStats(), stage)
     setattr(engine, ATTR, state)
     _LIVE.add(state)
@@ -181,21 +186,37 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         runtime.input_cast_hook = engine.module.register_forward_pre_hook(
             lambda module, args: engine._cast_inputs_half(args))
 
-    def on_failure(err: BaseException) -> None:
-        logger.error(f"deepspeed-compile: compiling a graph failed ({type(err).__name__}: {err}); the engine "
-                     f"runs uncompiled eager ZeRO-{stage} from the next step on (engine.compile() tries again)")
-        # the other ranks must not go on with the graphs either: they stop at their next collective, naming this rank
-        # and the cause, and fall back as this one does (HostComm.on_diverged), so the ranks stay on one path
-        runtime.post_failure(f"compiling a graph failed ({type(err).__name__}: {err}); it runs uncompiled eager "
-                             f"ZeRO-{stage} from the next step on")
-        deactivate(engine, uncompile=True)
+    def on_failure(err: BaseException, at_graph_start: bool) -> None:
+        cause = f"compiling a graph failed ({type(err).__name__}: {err})"
+        logger.error(f"deepspeed-compile: {cause}; the engine runs uncompiled eager ZeRO-{stage} from the next step "
+                     "on (engine.compile() tries again)")
+        try:
+            # the peers must not go on with their graphs either, or the ranks' collectives differ: where the ranks
+            # agree at each graph's start, this takes the place of the graph's agreement and they stop here; else
+            # their next wait on shared memory raises naming this rank (HostComm.on_diverged)
+            if at_graph_start and runtime.agreeing:
+                runtime.agree(FAILED, cause)
+            else:
+                runtime.post_failure(f"{cause}; it runs uncompiled eager ZeRO-{stage} from the next step on")
+        finally:
+            deactivate(engine, uncompile=True)
 
+    def on_stopped(outcome) -> NoReturn:
+        why = outcome.describe()
+        logger.error(f"deepspeed-compile: {why}; every rank stops this step and runs uncompiled eager ZeRO-{stage}")
+        deactivate(engine, uncompile=True)
+        raise StepAbandoned(f"deepspeed-compile: {why}. Every rank stops this step (skip its engine.backward() and "
+                            f"engine.step()) and runs uncompiled eager ZeRO-{stage} from the next step on")
+
+    state.on_stopped = on_stopped
     if runtime.host is not None:
         runtime.host.on_diverged = lambda why: deactivate(engine, uncompile=True)
     # the engine calls this when DeepCompile is switched off and at destroy: the runtime's segments go then
     engine._deepcompile_dynamo_config_restore = runtime.close
+    recompile_limit.install(_agree_on_recompile_limit)
 
-    compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config)
+    compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config,
+                                 on_stopped)
     ds_checkpointing.install()
     ignored = ds_checkpointing.unsupported_settings(engine._config)
     if ignored:
@@ -211,6 +232,21 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         regions.install(engine.module, compile_graph, stage,
                         {key: compile_kwargs[key] for key in ("fullgraph", "dynamic") if key in compile_kwargs})
     return compile_graph
+
+
+def _agree_on_recompile_limit(cause: str) -> None:
+    """Dynamo reached its recompile limit at a frame (``cause`` says which limit): on this rank the frame runs
+    uncompiled, dynamo's own fallback. In an engine's forward, where the ranks agree at each graph's start, this rank
+    says so in place of the frame's graph: where every rank reached the limit here, all run the frame uncompiled and
+    the step goes on; else every rank stops this step (``runtime/agreement.py``)."""
+    from .runtime.agreement import LIMIT
+    for state in list(_LIVE):
+        runtime = state.runtime
+        if runtime.forward_running and runtime.engine.is_deepcompile_active() and runtime.agreeing:
+            outcome = runtime.agree(LIMIT, cause)
+            if not outcome.all(LIMIT):
+                state.on_stopped(outcome)
+            logger.warning(f"deepspeed-compile: every rank reached {cause}: they all run that frame uncompiled")
 
 
 def _prepare_module_compile(engine, wrap_direct_calls: bool, drop_fullgraph: bool) -> None:

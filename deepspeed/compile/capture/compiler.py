@@ -30,6 +30,7 @@ from ..config import CompileConfig
 from ..graph import rewrite
 from . import cache
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, joint_primals, placeholders
+from ..runtime.agreement import RUN
 from ..runtime.ops import PLAIN_CALLS, UNTRACED_CALLS
 from ..graph.recompute import choose_kept_by_reuse, choose_kept_params, tag_param_aliases_pass
 from ..graph.runner import run_passes
@@ -73,7 +74,7 @@ class GraphCompiler:
     """Compiles one dynamo graph; holds what its forward, partition and backward steps tell each other."""
 
     def __init__(self, runtime, stats: CompileStats, config: CompileConfig, backend: str,
-                 param_ds_ids: List[Optional[int]], on_failure: Optional[Callable[[BaseException], None]] = None,
+                 param_ds_ids: List[Optional[int]], on_failure: Optional[Callable[[BaseException, bool], None]] = None,
                  grad_keys: Optional[List[Optional[int]]] = None, inductor_config: Optional[Dict[str, Any]] = None):
         self.runtime = runtime
         self.inductor_config = inductor_config or {}  # compile_kwargs' mode and options, resolved
@@ -180,7 +181,7 @@ class GraphCompiler:
             return self._compile_backward(gm, example_inputs)
         except Exception as err:
             if self.on_failure is not None:
-                self.on_failure(err)
+                self.on_failure(err, False)  # no graph's start: the peers are in their backward already
             raise RuntimeError(f"deepspeed-compile: compiling a backward graph failed ({type(err).__name__}: {err}). "
                                "This step's backward cannot run: skip it (do not call engine.step()); the engine "
                                "runs uncompiled eager ZeRO-3 from the next forward on") from err
@@ -404,10 +405,13 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
 
 
 def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: str,
-                 on_failure: Callable[[BaseException], None], inductor_config: Optional[Dict[str, Any]] = None):
+                 on_failure: Callable[[BaseException, bool], None], inductor_config: Optional[Dict[str, Any]] = None,
+                 on_stopped: Optional[Callable] = None):
     """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module. Under inductor,
     every graph compiles with ``inductor_config`` (``engine_state.inductor_settings``) patched into inductor's
-    config."""
+    config. ``on_failure(err, at_graph_start)`` is told of a failed compile; where the runtime's ranks agree at each
+    graph's start (``runtime/agreement.py``), a compiled graph runs only where every rank runs one, else
+    ``on_stopped(outcome)`` raises."""
     inductor_config = inductor_config or {}
 
     def compile_graph(gm: GraphModule, example_inputs, mode=None, options=None):
@@ -433,15 +437,28 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             # dynamic shapes, a float scalar to be traced as a tensor); the next attempt compiles it
             raise
         except BaseException as err:
-            on_failure(err)
+            on_failure(err, True)
             raise
         if runtime.stage != 3:  # ZeRO-1/2: each call announces the gradients its backward will hand over
-            return count_grad_sources(compiled, runtime, [i for i, key in enumerate(grad_keys) if key is not None])
-        if any(META_DS_ID not in node.meta for i, node in enumerate(placeholders(gm.graph)) if i in gathered):
+            compiled = count_grad_sources(compiled, runtime, [i for i, key in enumerate(grad_keys) if key is not None])
+        elif any(META_DS_ID not in node.meta for i, node in enumerate(placeholders(gm.graph)) if i in gathered):
             # a parameter handed back as it is: its gradient's reduce can only name the traced parameter
             traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}
-            return bind_to_traced_params(compiled, uncompiled, traced, runtime)
-        # ZeRO-3's ops find their parameters from the graph's inputs: the graph serves any module of the same code
-        return compiled
+            compiled = bind_to_traced_params(compiled, uncompiled, traced, runtime)
+        # (ZeRO-3's ops find their parameters from the graph's inputs: the graph serves any module of the same code)
+        return start_agreed(compiled, runtime, on_stopped) if on_stopped is not None and runtime.agreeing \
+            else compiled
 
     return compile_graph
+
+
+def start_agreed(compiled: Callable, runtime, on_stopped: Callable) -> Callable:
+    """The graph, run only where every rank runs its graph: each call first agrees with the peers
+    (``runtime/agreement.py``), and where a rank could not run one, ``on_stopped(outcome)`` raises instead."""
+    def run(*args):
+        outcome = runtime.agree(RUN)
+        if outcome is not None:
+            on_stopped(outcome)
+        return compiled(*args)
+
+    return run

@@ -43,6 +43,21 @@ class Counters:
     unclaimed_gathers: int = 0
 
 
+@contextmanager
+def timeout_named(timeout: Optional[datetime.timedelta], what: Callable[[], str]):
+    """A collective past ``timeout`` (``compile.collective_timeout_s``) raises ``TimeoutError`` naming the op and
+    parameter (torch's gloo reports a timeout as a RuntimeError with its own text). ``what`` describes the op; it is
+    only called then, so the hot path builds no strings."""
+    try:
+        yield
+    except (TimeoutError, RuntimeError) as err:
+        if timeout is None or not isinstance(err, TimeoutError) and "imeout" not in str(err) \
+                and "timed out" not in str(err).lower():
+            raise
+        raise TimeoutError(f"deepspeed-compile: {what()} did not complete within {timeout} "
+                           f"(compile.collective_timeout_s): a rank did not join it ({err})") from err
+
+
 class CommLog:
 
     def __init__(self, timeout_s: float = 0.0):
@@ -70,19 +85,8 @@ class CommLog:
         with self.timeout_named(what):
             wait_for(work, self.timeout)
 
-    @contextmanager
     def timeout_named(self, what: Callable[[], str]):
-        """A collective past ``compile.collective_timeout_s`` raises ``TimeoutError`` naming the op and parameter
-        (torch's gloo reports a timeout as a RuntimeError with its own text). ``what`` describes the op; it is only
-        called then, so the hot path builds no strings."""
-        try:
-            yield
-        except (TimeoutError, RuntimeError) as err:
-            if self.timeout is None or not isinstance(err, TimeoutError) and "imeout" not in str(err) \
-                    and "timed out" not in str(err).lower():
-                raise
-            raise TimeoutError(f"deepspeed-compile: {what()} did not complete within {self.timeout} "
-                               f"(compile.collective_timeout_s): a rank did not join it ({err})") from err
+        return timeout_named(self.timeout, what)
 
     def issued(self, kind: str, params, numel: int) -> None:
         if self.issued_collectives is not None:

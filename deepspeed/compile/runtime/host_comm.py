@@ -399,24 +399,6 @@ class HostComm:
         self._finalizer()
 
 
-class HostCommOwner:
-    """What a runtime (ZeRO-3's, ZeRO-1/2's) does with its transport on the engine's behalf; ``host`` is its
-    :class:`HostComm`, or None where its collectives go through the process group."""
-    host: Optional[HostComm] = None
-
-    def post_failure(self, message: str) -> None:
-        """This rank cannot go on with its graphs (``message`` says why): tell the peers, whose next wait on shared
-        memory raises naming this rank and the cause (:meth:`HostComm.post_failure`)."""
-        if self.host is not None:
-            self.host.post_failure(message)
-
-    def close(self) -> None:
-        """Release what the runtime holds of the OS, its shared-memory segments (the engine's deactivation and
-        destroy; process exit does it too)."""
-        if self.host is not None:
-            self.host.close()
-
-
 def open_host_comm(mode: str, group, device: torch.device, gather_slot_bytes: int, reduce_slot_bytes: int,
                    directory: str = DEFAULT_DIR) -> Tuple[Optional[HostComm], Optional[str]]:
     """``compile.host_comm``: the transport and, where it is not shared memory, why. ``"gloo"``: none. ``"shm"``:

@@ -20,6 +20,7 @@ Gradients of a parameter from several sources (two compiled graphs across a grap
 code) are summed in ``param.grad`` first and handed over once, when the last source the forward announced has
 delivered, as autograd sums them before its single ``AccumulateGrad``.
 """
+import datetime
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,8 +31,9 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from . import registry
+from .agreement import Peers
 from .ops import gradient_wanted
-from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, HostCommOwner, open_host_comm
+from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, open_host_comm
 from .z12_reduce import BucketFlush
 
 
@@ -47,12 +49,14 @@ class Z12Counters:
     grads_in_bucket: int = 0  # of those, computed straight into ZeRO-2's reduce bucket (no copy into it)
 
 
-class Z12Runtime(HostCommOwner):
+class Z12Runtime(Peers):
 
     def __init__(self, engine, *, stage: int, timeout_s: float = 0.0, host_comm: str = "auto",
                  host_comm_dir: str = DEFAULT_DIR):
         self.engine = engine
         self.optimizer = engine.optimizer
+        self.group = self.optimizer.dp_process_group
+        self.agree_timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else None
         self.stage = stage
         # every trained parameter ZeRO's optimizer holds, keyed by a small integer the graph ops carry
         self.params: Dict[int, Parameter] = {}

@@ -24,8 +24,9 @@ from torch.nn import Parameter
 
 from ..native.gather import cast_all_gather_python, load_native, wait_for
 from . import registry, standins
+from .agreement import Peers
 from .comm import CommLog, Counters
-from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, HostCommOwner, open_host_comm, start_gather
+from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, open_host_comm, start_gather
 from .eager_access import (EagerAccess, install_forwards_gathering_returned,
                            uninstall_forwards_gathering_returned)
 from .ops import gradient_wanted
@@ -43,7 +44,7 @@ class _Gathered:
     shard: Tuple[int, int]  # the parameter's shard_state it was gathered from
 
 
-class Z3Runtime(HostCommOwner):
+class Z3Runtime(Peers):
     stage = 3
 
     def __init__(self, engine, *, timeout_s: float = 0.0, free_on_release: bool = True, native_op: str = "auto",
@@ -64,6 +65,7 @@ class Z3Runtime(HostCommOwner):
         # buffer ("reuse"): there the release only drops the runtime's reference, never the storage.
         self.free_on_release = free_on_release
         self.comm = CommLog(timeout_s)
+        self.agree_timeout = self.comm.timeout
         # adjacent gathers of a graph go out as one collective of at most this many elements (0: never coalesce)
         self.gather_bucket_numel = int(engine.zero_prefetch_bucket_size())
         # DeepSpeed's stage3_max_reuse_distance: which parameters stay gathered from forward to backward

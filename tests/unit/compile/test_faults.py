@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Faults a real cluster produces, on a compiled engine: a shared-memory directory the ranks do not share or that is
 too small (``"auto"`` agrees to use the process group and trains bitwise as eager ZeRO-3), a peer that exits
-mid-training (the survivor raises within seconds, naming it, on either transport), one rank's compile failing (every
-rank stops that step naming the rank and the cause, and all go on as eager ZeRO-3 together), and the engine's destroy
-(nothing left in the directory, nothing mapped)."""
+mid-training (the survivor raises within seconds, naming it, on either transport), one rank's compile failing or one
+rank alone reaching dynamo's recompile limit (every rank stops that step, the others naming the rank and the cause,
+and all go on as eager ZeRO-3 together, on either transport), and the engine's destroy (nothing left in the
+directory, nothing mapped)."""
 import os
 import tempfile
 import time
@@ -97,7 +98,7 @@ def test_a_peer_that_exits_mid_training_makes_the_survivor_raise_within_seconds(
         assert "rank 1 exited" in r["message"], r
 
 
-def _rank_compile_fails_on_rank_1() -> dict:
+def _rank_compile_fails_on_rank_1(host_comm: str) -> dict:
     """Rank 1's forward compile fails (an injected error); rank 0's succeeds. Both must stop in that step, rank 0
     naming rank 1 and the cause, and both then train as eager ZeRO-3."""
     from deepspeed.compile.capture import compiler
@@ -111,7 +112,7 @@ def _rank_compile_fails_on_rank_1() -> dict:
         def broken(self, gm, example_inputs):
             raise RuntimeError("an injected compile failure")
         compiler.GraphCompiler._compile_forward = broken
-    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": "shm"}))
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": host_comm}))
     engine.compile(backend="eager")
     try:
         engine(*make_batch("gpt", 0, rank))
@@ -120,12 +121,14 @@ def _rank_compile_fails_on_rank_1() -> dict:
         raised = f"{type(err).__name__}: {err}"
     active = engine.is_deepcompile_active()
     return {"rank": rank, "raised": raised, "active": active, "losses": train(engine, "gpt", 2, first_step=1),
-            "eager_losses": eager_losses}
+            "eager_losses": eager_losses, "host_comm": engine._deepspeed_compile.runtime.host_comm}
 
 
-def test_one_ranks_compile_failure_stops_every_rank_then_all_run_eager_zero3_together():
-    results = run_distributed(_rank_compile_fails_on_rank_1, timeout_s=150)
+@pytest.mark.parametrize("host_comm", ["shm", "gloo"])
+def test_one_ranks_compile_failure_stops_every_rank_then_all_run_eager_zero3_together(host_comm):
+    results = run_distributed(_rank_compile_fails_on_rank_1, host_comm, timeout_s=150)
     for r in results:
+        assert r["host_comm"] == host_comm, r
         assert r["raised"] is not None, r
         assert not r["active"], r  # every rank fell back, in the same step
         assert r["losses"] == r["eager_losses"], r  # and trains as eager ZeRO-3 from there, on every rank alike
@@ -134,10 +137,16 @@ def test_one_ranks_compile_failure_stops_every_rank_then_all_run_eager_zero3_tog
         results[0]["raised"], results[0]
 
 
-def _rank_batch_fails_to_compile_on_rank_1() -> dict:
-    """Step 1 gives rank 1 alone a batch of a new length: rank 1 compiles again, and that compile fails (an injected
-    error), while rank 0 runs the graph it has. Both must stop in step 1 and go on as eager ZeRO-3 together."""
-    from deepspeed.compile.capture import compiler
+def _step(engine, batch) -> float:
+    loss = engine(*batch)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _rank_stops_at_step_1(host_comm: str, new_length_on_rank_1, engine_kwargs: dict, prepare=None) -> dict:
+    """Steps 0-3 on eager ZeRO-3 (step 1 skipped) and on the compiled engine, where step 1 gives rank 1 alone a batch
+    of a new length, ``new_length_on_rank_1`` being what rank 1 does with it; ``prepare(rank)`` runs first."""
     from models import ds_config, make_batch
     from training import make_engine
     rank = torch.distributed.get_rank()
@@ -146,15 +155,41 @@ def _rank_batch_fails_to_compile_on_rank_1() -> dict:
         x, y = make_batch("gpt", step, rank)
         return (x[:, :12], y[:, :12]) if step == 1 and rank == 1 else (x, y)
 
-    def step(engine, n):
-        loss = engine(*batch(n))
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
     eager = make_engine("gpt", ds_config(3))
-    eager_losses = [step(eager, n) for n in (0, 2, 3)]  # the failed step 1 is skipped
+    eager_losses = [_step(eager, batch(n)) for n in (0, 2, 3)]
     eager.destroy()
+    counted = prepare(rank) if prepare is not None else []
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": host_comm}))
+    engine.compile(backend="eager", **engine_kwargs)
+    losses = [_step(engine, batch(0))]
+    t0 = time.monotonic()
+    try:
+        _step(engine, batch(1))
+        raised = None
+    except Exception as err:
+        raised = f"{type(err).__name__}: {err}"
+    seconds = time.monotonic() - t0
+    active = engine.is_deepcompile_active()
+    losses += [_step(engine, batch(n)) for n in (2, 3)]
+    return {"raised": raised, "seconds": seconds, "active": active, "compiles": len(counted), "losses": losses,
+            "eager_losses": eager_losses, "host_comm": engine._deepspeed_compile.runtime.host_comm}
+
+
+def _check_stopped_together(results: list, host_comm: str, own: str, named: str) -> None:
+    """Rank 1 raised its own error (``own`` in it), rank 0 one naming rank 1 (``named``), both within seconds; both
+    then trained as eager ZeRO-3 would."""
+    rank0, rank1 = results
+    assert own in rank1["raised"], rank1
+    assert named in rank0["raised"], rank0
+    for r in results:
+        assert r["host_comm"] == host_comm, r
+        assert r["seconds"] < 30, r  # agreed at once, not at a timeout (the harness's process group waits 60 s)
+        assert not r["active"], r
+        assert r["losses"] == r["eager_losses"], r
+
+
+def _fail_second_compile_on_rank_1(rank: int) -> list:
+    from deepspeed.compile.capture import compiler
     compiles = []
     original = compiler.GraphCompiler._compile_forward
 
@@ -165,58 +200,33 @@ def _rank_batch_fails_to_compile_on_rank_1() -> dict:
         return original(self, gm, example_inputs)
 
     compiler.GraphCompiler._compile_forward = second_fails_on_rank_1
-    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": "shm"}))
-    engine.compile(backend="eager")
-    losses = [step(engine, 0)]
-    try:
-        step(engine, 1)
-        raised = None
-    except Exception as err:
-        raised = f"{type(err).__name__}: {err}"
-    active = engine.is_deepcompile_active()
-    losses += [step(engine, n) for n in (2, 3)]
-    return {"raised": raised, "active": active, "compiles": len(compiles), "losses": losses,
-            "eager_losses": eager_losses}
+    return compiles
 
 
-def test_a_batch_that_fails_to_compile_on_one_rank_stops_every_rank_then_all_run_eager_zero3_together():
-    rank0, rank1 = run_distributed(_rank_batch_fails_to_compile_on_rank_1, timeout_s=150)
-    assert rank0["compiles"] == 1 and rank1["compiles"] == 2, (rank0, rank1)  # only rank 1 compiled again
-    assert "an injected failure compiling the new length" in rank1["raised"], rank1
-    assert "rank 1 failed: compiling a graph failed (RuntimeError: an injected failure compiling the new length)" \
-        in rank0["raised"], rank0
-    for r in (rank0, rank1):
-        assert not r["active"], r
-        assert r["losses"] == r["eager_losses"], r
+@pytest.mark.parametrize("host_comm", ["shm", "gloo"])
+def test_a_batch_that_fails_to_compile_on_one_rank_stops_every_rank_then_all_run_eager_zero3_together(host_comm):
+    """Rank 1 alone compiles again (its batch has a new length) and that compile fails, while rank 0 runs the graph
+    it has: both stop in that step and go on as eager ZeRO-3 together."""
+    results = run_distributed(_rank_stops_at_step_1, host_comm, "compiles again and fails", {},
+                              _fail_second_compile_on_rank_1, timeout_s=150)
+    assert [r["compiles"] for r in results] == [1, 2], results  # only rank 1 compiled again
+    _check_stopped_together(results, host_comm, "RuntimeError: an injected failure compiling the new length",
+                            "rank 1 failed: compiling a graph failed (RuntimeError: an injected failure compiling the "
+                            "new length)")
 
 
-def _rank_recompile_limit_on_rank_1() -> dict:
-    """Step 1 gives rank 1 alone a batch of a new length, with static shapes and a recompile limit of 1 on rank 1
-    only: rank 1 runs the model uncompiled (dynamo's fallback), gathering through ZeRO-3's own all-gathers on the
-    process group, while rank 0 runs its graph's gathers through shared memory. This is not agreed across ranks
-    (``docs/design.md``): what must hold is that no rank hangs, and the error names the collective."""
-    from models import ds_config, make_batch
-    from training import make_engine
-    rank = torch.distributed.get_rank()
+def _recompile_limit_1_on_rank_1(rank: int) -> list:
     if rank == 1:
         torch._dynamo.config.recompile_limit = 1
-    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": "shm", "collective_timeout_s": 5}))
-    engine.compile(backend="eager", compile_kwargs={"dynamic": False})
-    t0 = time.monotonic()
-    try:
-        for n in (0, 1):
-            x, y = make_batch("gpt", n, rank)
-            loss = engine(*((x[:, :12], y[:, :12]) if n == 1 and rank == 1 else (x, y)))
-            engine.backward(loss)
-            engine.step()
-        raised = None
-    except Exception as err:
-        raised = f"{type(err).__name__}: {err}"
-    return {"rank": rank, "raised": raised, "seconds": time.monotonic() - t0}
+    return []
 
 
-def test_a_recompile_limit_reached_on_one_rank_only_is_an_error_not_a_hang():
-    rank0, rank1 = run_distributed(_rank_recompile_limit_on_rank_1, timeout_s=150)
-    assert "the all-gather of parameter" in rank0["raised"] and "compile.collective_timeout_s" in rank0["raised"], rank0
-    for r in (rank0, rank1):
-        assert r["raised"] is not None and r["seconds"] < 45, r  # the process group's timeout here is 60 s
+@pytest.mark.parametrize("host_comm", ["shm", "gloo"])
+def test_a_recompile_limit_reached_on_one_rank_only_stops_every_rank_then_all_run_eager_zero3_together(host_comm):
+    """Static shapes and a recompile limit of 1 on rank 1 only: at rank 1's new length dynamo would run the model
+    uncompiled there (gathering through ZeRO-3's own collectives) while rank 0 runs its graph. Both stop in that
+    step, rank 0 naming rank 1 and the limit, and go on as eager ZeRO-3 together."""
+    results = run_distributed(_rank_stops_at_step_1, host_comm, "reaches the recompile limit",
+                              {"compile_kwargs": {"dynamic": False}}, _recompile_limit_1_on_rank_1, timeout_s=150)
+    limit = "rank 1 reached the recompile limit: torch._dynamo.config.recompile_limit (1)"
+    _check_stopped_together(results, host_comm, limit, limit)

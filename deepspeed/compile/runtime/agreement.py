@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Keeping the ranks on one path when one of them cannot run the compiled graph its peers run.
+
+A rank whose compile fails, or whose frame dynamo sends to eager past ``torch._dynamo.config.recompile_limit``, would
+otherwise go on alone: its collectives (eager ZeRO's, or none) then meet the peers' compiled ones, and the job hangs
+or exchanges the wrong bytes. So every compiled forward graph starts with one small all-reduce, :func:`agree`, made
+before any collective of the graph, and a rank that cannot run the graph makes the same all-reduce in its place, at
+the point its compile failed or the limit was reached, with a code that says why. Every rank thus learns, at the same
+point of the same step, which ranks stopped and why (a second collective carries the causes, only then), and all
+stop that step together (:class:`StepAbandoned`) and go on as eager ZeRO. Where every rank reached the recompile limit
+at that frame they all run it uncompiled, as dynamo would, and the step goes on.
+
+The all-reduce goes through the runtime's transport: a few bytes through shared memory, or one gloo all-reduce
+(tens of microseconds) through the process group. It applies where the process group is gloo (the CPU path); on
+NCCL it would make the host wait for the device at every graph, so there a rank's failure is not agreed.
+A backward graph compiled lazily, at its first run, has no such start: its failure is posted through shared memory
+(``HostComm.post_failure``), and through the process group it is not agreed.
+"""
+import datetime
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import timeout_named
+from .host_comm import HostComm, start_sum
+from ..native.gather import wait_for
+
+RUN, FAILED, LIMIT = 0, 1, 2  # what a rank does at a compiled graph's start
+_WHAT = {FAILED: "failed", LIMIT: "reached the recompile limit"}
+IDENT = -2  # the agreement's id in a shared-memory slot: no parameter's ds_id
+
+
+class StepAbandoned(RuntimeError):
+    """Every rank stops this step: one or more could not run the compiled graph the others would have."""
+
+
+@dataclass
+class Outcome:
+    codes: List[int]  # each rank's code
+    causes: List[str]  # each rank's cause ("" where it ran)
+
+    def all(self, code: int) -> bool:
+        return all(c == code for c in self.codes)
+
+    def describe(self) -> str:
+        """``rank 1 failed: <cause>``, a clause for each rank that did not run the graph."""
+        return "; ".join(f"rank {rank} {_WHAT.get(code, 'stopped')}: {self.causes[rank]}"
+                         for rank, code in enumerate(self.codes) if code != RUN)
+
+
+def applies(group) -> bool:
+    """Whether the ranks of ``group`` agree at every graph's start: more than one rank, on gloo."""
+    return dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+
+
+def agree(group, host: Optional[HostComm], code: int, cause: str = "",
+          timeout: Optional[datetime.timedelta] = None) -> Optional[Outcome]:
+    """Every rank of ``group`` says what it does at this graph's start (``code``; ``cause`` where it does not run):
+    None where every rank runs the graph, else what each rank does and why."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    codes = torch.zeros(1, world_size)
+    codes[0, rank] = code
+    work = start_sum(host.reduce, codes, None, ident=IDENT) if host is not None else \
+        dist.all_reduce(codes, group=group, async_op=True)
+    with timeout_named(timeout, lambda: "the ranks' agreement at a compiled graph's start"):
+        wait_for(work, timeout)
+    said = [int(c) for c in codes[0].tolist()]
+    if not any(said):
+        return None
+    causes: List[str] = [""] * world_size
+    dist.all_gather_object(causes, cause, group=group)
+    return Outcome(said, causes)
+
+
+class Peers:
+    """What a runtime (ZeRO-3's, ZeRO-1/2's) does with its peers on the engine's behalf. ``host`` is its
+    :class:`HostComm` (None where its collectives go through the process group), ``group`` the data-parallel process
+    group, ``agree_timeout`` the wait's limit (None: the transport's own)."""
+    host: Optional[HostComm] = None
+    group = None
+    agree_timeout: Optional[datetime.timedelta] = None
+
+    @property
+    def agreeing(self) -> bool:
+        """Whether every compiled forward graph starts with :func:`agree` (the engine's backend adds it)."""
+        return applies(self.group)
+
+    def agree(self, code: int, cause: str = "") -> Optional[Outcome]:
+        """:func:`agree` on this runtime's ranks and transport."""
+        return agree(self.group, self.host, code, cause, self.agree_timeout)
+
+    def post_failure(self, message: str) -> None:
+        """This rank cannot go on with its graphs (``message`` says why): tell the peers, whose next wait on shared
+        memory raises naming this rank and the cause (:meth:`HostComm.post_failure`)."""
+        if self.host is not None:
+            self.host.post_failure(message)
+
+    def close(self) -> None:
+        """Release what the runtime holds of the OS, its shared-memory segments (the engine's deactivation and
+        destroy; process exit does it too)."""
+        if self.host is not None:
+            self.host.close()
