@@ -27,7 +27,7 @@ _TO_MODULE = "GraphLowering.compile_to_module"
 _KERNELS = "count:kernels generated"  # inductor's generated (fused) kernels, before it deduplicates identical ones
 _IR_NODES = "count:IR nodes before fusion"
 
-PHASES = ("dynamo", "AOTAutograd", "our passes", "inductor lowering", "inductor post-grad passes",
+PHASES = ("dynamo", "AOTAutograd", "partition", "our passes", "inductor lowering", "inductor post-grad passes",
           "inductor codegen + C++ compile + load", "inductor other", "compiler glue", "running step 0")
 
 
@@ -52,10 +52,12 @@ def phases(timers: Dict[str, float], report: Dict[str, Any], first_step_s: float
     forward = compile_seconds.get("forward", t(_FW))  # the graph compilers AOTAutograd calls
     backward = compile_seconds.get("backward", t(_BW))  # in step 0's backward, outside dynamo's frame
     ours = sum((report.get("pass_seconds") or {}).values())
+    partition = compile_seconds.get("partition", 0.0)  # our tagging and torch's partitioner, inside AOTAutograd
     inductor = t(_INDUCTOR)
     out = {
         "dynamo": t(_FRAME) - t(_BACKEND),
-        "AOTAutograd": t(_BACKEND) - forward,
+        "AOTAutograd": t(_BACKEND) - forward - partition,
+        "partition": partition,
         "our passes": ours,
         "inductor lowering": t(_LOWERING),
         "inductor post-grad passes": t(_POST_GRAD),

@@ -24,7 +24,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.models import SIZES, make_batch, make_model, parameter_count  # noqa: E402
+from benchmarks.models import SIZES, make_batch, make_model, parameter_count, size_of  # noqa: E402
 from benchmarks.worker import ds_config  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     rank = dist.get_rank()
     model = make_model(args.model, args.size, seed=0)
     n_params = parameter_count(model)
-    config = ds_config(args.dtype, n_params, SIZES[args.size].batch,
+    config = ds_config(args.dtype, n_params, size_of(args.size).batch,
                        {"deepcompile": True, "partitioner": args.partitioner})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     engine.compile(backend=args.backend)

@@ -5,6 +5,8 @@ Llama and a GPT-2 (tied embeddings, fused QKV ``Conv1D``, learned positions, GEL
 Every model takes ``(idx, targets)`` and returns the mean cross-entropy loss, so DeepSpeed and FSDP2 drive
 them the same way; ``blocks(model)`` lists the repeated layers that FSDP2 shards one by one.
 """
+import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
@@ -21,12 +23,40 @@ class ModelSize:
     layers: int
     seq: int
     batch: int
+    positions: int = 0  # GPT-2's learned positions (its n_positions); 0: the sequence length
+
+    @property
+    def max_positions(self) -> int:
+        return self.positions or self.seq
 
 
 SIZES: Dict[str, ModelSize] = {
     "small": ModelSize(vocab=512, dim=128, heads=4, layers=4, seq=64, batch=2),
     "large": ModelSize(vocab=2048, dim=256, heads=8, layers=8, seq=128, batch=4),
+    # the published GPT-2 configs (124M: "gpt2", 355M: "gpt2-medium"), randomly initialised, on sequences of 128
+    # tokens; the Llama and Qwen2 of these sizes have the same width, depth, heads and vocabulary (Llama's untied head
+    # makes it larger: 155M and 380M)
+    "124m": ModelSize(vocab=50257, dim=768, heads=12, layers=12, seq=128, batch=2, positions=1024),
+    "355m": ModelSize(vocab=50257, dim=1024, heads=16, layers=24, seq=128, batch=2, positions=1024),
 }
+
+
+def size_of(spec: str) -> ModelSize:
+    """A size by name, or ``NAME:LAYERS``: that size with another number of its blocks (``124m:24``), for the
+    compile time against depth."""
+    name, _, layers = spec.partition(":")
+    if name not in SIZES or (layers and (not layers.isdigit() or int(layers) < 1)):
+        raise ValueError(f"size must be one of {sorted(SIZES)}, optionally :LAYERS (a positive number), got {spec!r}")
+    return dataclasses.replace(SIZES[name], layers=int(layers)) if layers else SIZES[name]
+
+
+def size_arg(spec: str) -> str:
+    """``argparse`` type of a ``--size``: checked by :func:`size_of`, kept as written."""
+    try:
+        size_of(spec)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return spec
 
 
 class Block(nn.Module):
@@ -110,9 +140,9 @@ class GPT2(CausalLM):
     def __init__(self, size: ModelSize):
         from transformers import GPT2Config, GPT2LMHeadModel
         # no dropout: configurations are compared by their losses
-        config = GPT2Config(vocab_size=size.vocab, n_positions=size.seq, n_embd=size.dim, n_layer=size.layers,
-                            n_head=size.heads, use_cache=False, attn_implementation="sdpa", bos_token_id=0,
-                            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = GPT2Config(vocab_size=size.vocab, n_positions=size.max_positions, n_embd=size.dim,
+                            n_layer=size.layers, n_head=size.heads, use_cache=False, attn_implementation="sdpa",
+                            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         super().__init__(GPT2LMHeadModel(config))
 
 
@@ -132,13 +162,11 @@ def make_model(name: str, size: str = "small", seed: int = 0, labels: bool = Fal
     """``labels``: a ``transformers`` model computes its own loss from ``labels`` (``CausalLM``)."""
     if name not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     if labels and not issubclass(MODELS[name], CausalLM):
         raise ValueError(f"labels: model {name!r} is not a transformers model; use one of "
                          f"{sorted(n for n, cls in MODELS.items() if issubclass(cls, CausalLM))}")
     torch.manual_seed(seed)
-    model = MODELS[name](SIZES[size])
+    model = MODELS[name](size_of(size))
     if labels:
         model.labels = True
     return model
@@ -158,7 +186,7 @@ def blocks(model: nn.Module) -> List[nn.Module]:
 def make_batch(size: str, step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """A deterministic batch per (step, rank). Targets are a fixed permutation of the inputs, so the loss falls
     quickly and a numerical divergence between configurations shows in the final loss."""
-    s = SIZES[size]
+    s = size_of(size)
     g = torch.Generator().manual_seed(1000 * step + rank)
     idx = torch.randint(0, s.vocab, (s.batch, s.seq), generator=g)
     return idx, (idx * 7 + 3) % s.vocab

@@ -32,7 +32,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from benchmarks import compile_profile  # noqa: E402
-from benchmarks.models import MODELS  # noqa: E402
+from benchmarks.models import MODELS, SIZES, size_arg  # noqa: E402
 from benchmarks.plots import config_name, file_stem, plot_all  # noqa: E402
 from benchmarks.worker import DTYPES, EAGER_ROWS, ROWS, add_setting_args, setting_argv  # noqa: E402
 
@@ -204,11 +204,11 @@ def _mib(value: Optional[float]) -> str:
 def table(results: List[Dict[str, Any]]) -> str:
     head = ("| dtype | configuration | median step (s) | zero3 step / step | first step (s) | peak above start "
             "(MiB) | peak abs (MiB) | saved param (MiB) | saved other (MiB) | all-gather (MiB/step) | "
-            "reduce-scatter (MiB/step) | final loss | loss check |")
+            "reduce-scatter (MiB/step) | kept gathered (MiB) | peak RSS a rank (MiB) | final loss | loss check |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['dtype']} | {config_name(r)} | ERROR: {r['error']} |" + " |" * 10)  # 13 columns
+            lines.append(f"| {r['dtype']} | {config_name(r)} | ERROR: {r['error']} |" + " |" * 12)  # 15 columns
             continue
         speed = "n/a" if r.get("speedup_vs_zero3") is None else f"{r['speedup_vs_zero3']:.2f}x"
         saved_mark = "" if r.get("saved_source") == "engine_report" else "*"
@@ -223,7 +223,8 @@ def table(results: List[Dict[str, Any]]) -> str:
             f"{_mib(r['peak_above_start_bytes'])} | {_mib(r['peak_bytes'])} | "
             f"{_mib(r['saved_param_bytes'])}{saved_mark} | {_mib(r['saved_other_bytes'])}{saved_mark} | "
             f"{_mib(r['allgather_bytes_per_step'])}{comm_mark} | {_mib(r['reduce_scatter_bytes_per_step'])}"
-            f"{comm_mark} | {r['final_loss']:.5f} | {check} |")
+            f"{comm_mark} | {_mib((r.get('report') or {}).get('kept_gathered_bytes'))} | "
+            f"{_mib(r.get('peak_rss_bytes'))} | {r['final_loss']:.5f} | {check} |")
     lines.append("")
     lines.append("\\* from the autograd graph (param-derived is a lower bound for compiled graphs); † counted at "
                  "torch.distributed; unmarked: the DeepCompile engine's own report. Loss tolerance (relative): "
@@ -237,7 +238,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of fp32,bf16,autocast")
     p.add_argument("--backends", default="eager", help="compile backends for compiled rows: eager,inductor")
     p.add_argument("--model", default="gpt", choices=sorted(MODELS))
-    p.add_argument("--size", default="small", choices=("small", "large"))
+    p.add_argument("--size", default="small", type=size_arg,
+                   help=f"{', '.join(SIZES)}, or NAME:LAYERS (that size with another number of blocks)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole matrix this many times, interleaved; step time = median of the rounds' medians")

@@ -12,6 +12,7 @@ the second is the measured step). Rank 0 writes the result as JSON.
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -33,16 +34,17 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks import compile_profile  # noqa: E402
 from benchmarks.comm import count_collectives  # noqa: E402
 from benchmarks.memory import live_at_peak, live_tensor_bytes, mark, step_peak, trace_memory  # noqa: E402
-from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_count  # noqa: E402
+from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_count, size_arg, size_of  # noqa: E402
 from benchmarks.saved import saved_bytes  # noqa: E402
 
-ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut+keep", "ours-regather", "ours-blocks", "ours-default",
-        "fsdp2", "fsdp2+compile", "zero1", "ours-zero1", "zero2", "zero2+compile", "ours-zero2", "ours-zero2-default",
-        "local")
+ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut-gloo", "ours-mincut+keep", "ours-regather",
+        "ours-blocks", "ours-default", "fsdp2", "fsdp2+compile", "zero1", "ours-zero1", "zero2", "zero2+compile",
+        "ours-zero2", "ours-zero2-default", "local")
 EAGER_ROWS = ("zero3", "zero1", "zero2", "fsdp2", "local")  # rows that compile nothing
 # what a DeepCompile row sets in the "compile" section besides deepcompile and the min-cut partitioner
 ROW_SECTIONS = {
     "ours-default": {"partitioner": "default"},
+    "ours-mincut-gloo": {"host_comm": "gloo"},  # the process group as the transport, where the default is shm
     "ours-mincut+keep": {"keep_gathered_bytes": "prefetch"},  # about what backward's first run would gather again
     "ours-regather": {"keep_gathered_bytes": 0},  # whatever stage3_max_reuse_distance says
     "ours-blocks": {"regions": "blocks"},  # one compiled graph serves every block (capture/regions.py)
@@ -118,8 +120,9 @@ def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[S
     if args.row.startswith("ours-"):
         section = {"deepcompile": True, "partitioner": "min_cut", **ROW_SECTIONS.get(args.row, {})}
     stage = 1 if "zero1" in args.row else 2 if "zero2" in args.row else 3
-    config = ds_config(args.dtype, parameter_count(model), SIZES[args.size].batch, section, args.zero_settings, stage,
-                       hidden=SIZES[args.size].dim)
+    config = ds_config(args.dtype, parameter_count(model), size_of(args.size).batch, section, args.zero_settings,
+                       stage,
+                       hidden=size_of(args.size).dim)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     if args.row not in EAGER_ROWS:
         engine.compile(backend=args.backend)
@@ -266,6 +269,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         for i in range(1 + args.warmup, 1 + args.warmup + args.steps):
             timed(i, phases=True)
     ours = report.engine_report(engine) if ours_row else None  # None if the engine fell back to eager ZeRO-3
+    # the most resident memory any rank reached so far (building the model, compiling, training), before the
+    # memory profiler's steps below add their own
+    peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
+    dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
     persistent = live_tensor_bytes()
     with trace_memory() as traced:
         saved = timed(len(times), walk=True)
@@ -291,7 +298,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "phase_medians_s": {phase: statistics.median(v) for phase, v in phase_times.items()},
         "losses": losses, "final_loss": mean_loss.item() / dist.get_world_size(),
         "peak_above_start_bytes": peak_above, "persistent_bytes": persistent,
-        "peak_bytes": None if peak_above is None else persistent + peak_above,
+        "peak_bytes": None if peak_above is None else persistent + peak_above, "peak_rss_bytes": peak_rss.item(),
         "saved_param_bytes": saved[0], "saved_other_bytes": saved[1], "saved_source": "autograd-walk",
         "allgather_bytes_per_step": counts.allgather_bytes / args.steps,
         "reduce_scatter_bytes_per_step": counts.reduce_scatter_bytes / args.steps,
@@ -349,7 +356,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("eager", "inductor"), default="eager")
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
     p.add_argument("--model", default="gpt")
-    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--size", type=size_arg, default="small", help=f"{', '.join(SIZES)}, or NAME:LAYERS")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")
     p.add_argument("--seed", type=int, default=0)

@@ -194,7 +194,7 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
             # the peers must not go on with their graphs either, or the ranks' collectives differ: where the ranks
             # agree at each graph's start, this takes the place of the graph's agreement and they stop here; else
             # their next wait on shared memory raises naming this rank (HostComm.on_diverged)
-            if at_graph_start and runtime.agreeing:
+            if at_graph_start and runtime.agrees_now():
                 runtime.agree(FAILED, cause)
             else:
                 runtime.post_failure(f"{cause}; it runs uncompiled eager ZeRO-{stage} from the next step on")
@@ -242,7 +242,7 @@ def _agree_on_recompile_limit(cause: str) -> None:
     from .runtime.agreement import LIMIT
     for state in list(_LIVE):
         runtime = state.runtime
-        if runtime.forward_running and runtime.engine.is_deepcompile_active() and runtime.agreeing:
+        if runtime.forward_running and runtime.engine.is_deepcompile_active() and runtime.agrees_now():
             outcome = runtime.agree(LIMIT, cause)
             if not outcome.all(LIMIT):
                 state.on_stopped(outcome)

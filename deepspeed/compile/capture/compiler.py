@@ -55,8 +55,10 @@ class CompileStats:
     # runtime's measured peak stays at or below it (up to shard padding) while no code outside the graphs gathers
     # and no run is prefetched across graphs (compile.regions='blocks': one run more, at a block boundary)
     planned_peak_gathered_bytes: int = 0
-    # seconds in the forward / backward graph compilers (our passes and the backend's compile), per direction
-    compile_seconds: Dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
+    # seconds in the forward / backward graph compilers (our passes and the backend's compile), per direction, and
+    # in the partition of the joint graphs (our tagging and torch's partitioner)
+    compile_seconds: Dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0,
+                                                                       "partition": 0.0})
     kept_gathered_bytes: int = 0  # of compile.keep_gathered_bytes, taken by parameters kept gathered for backward
 
     def add(self, part: Dict) -> None:
@@ -97,6 +99,13 @@ class GraphCompiler:
         (``capture/cache.Partitioner``), after inductor's own joint-graph passes (pattern rewrites, no-op removal)
         as plain torch.compile runs them: without them the partition saves more for backward than torch.compile's."""
         kwargs.pop("compiler", None)  # inductor names itself; both partitions below compile for any backend
+        start = time.perf_counter()
+        try:
+            return self._partition(joint, joint_inputs, num_fwd_outputs, kwargs)
+        finally:
+            self.stats.compile_seconds["partition"] += time.perf_counter() - start
+
+    def _partition(self, joint: GraphModule, joint_inputs, num_fwd_outputs: int, kwargs):
         primals = joint_primals(joint.graph)
         if len(primals) != len(self.param_ds_ids):
             raise AssertionError(f"joint graph has {len(primals)} primals for {len(self.param_ds_ids)} inputs")
@@ -446,7 +455,8 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}
             compiled = bind_to_traced_params(compiled, uncompiled, traced, runtime)
         # (ZeRO-3's ops find their parameters from the graph's inputs: the graph serves any module of the same code)
-        return start_agreed(compiled, runtime, on_stopped) if on_stopped is not None and runtime.agreeing \
+        # dynamo guards a graph on the grad mode it was compiled in: it is the grad mode of every call
+        return start_agreed(compiled, runtime, on_stopped) if on_stopped is not None and runtime.agrees_now() \
             else compiled
 
     return compile_graph

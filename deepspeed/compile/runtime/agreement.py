@@ -82,10 +82,13 @@ class Peers:
     group = None
     agree_timeout: Optional[datetime.timedelta] = None
 
-    @property
-    def agreeing(self) -> bool:
-        """Whether every compiled forward graph starts with :func:`agree` (the engine's backend adds it)."""
-        return applies(self.group)
+    stage: int = 3
+
+    def agrees_now(self) -> bool:
+        """Whether a forward graph compiled or run now starts with :func:`agree`: on gloo with more than one rank, for
+        every graph at ZeRO-3 and for those that record autograd at ZeRO-1/2. A ZeRO-1/2 forward under ``no_grad``
+        (an evaluation, ``generate`` on one rank) issues no collective, compiled or not, so ranks may run it alone."""
+        return applies(self.group) and (self.stage == 3 or torch.is_grad_enabled())
 
     def agree(self, code: int, cause: str = "") -> Optional[Outcome]:
         """:func:`agree` on this runtime's ranks and transport."""

@@ -31,6 +31,9 @@ from .comm import CommLog
 from .host_comm import Channel, start_sum
 
 
+BUCKET_SHARE = 4  # no bucket is wider than 1/4 of all trained parameters' partitions (_bucket_buffer)
+
+
 @dataclass
 class _Bucket:
     buffer: Tensor  # (world_size, columns)
@@ -139,11 +142,13 @@ class GradientReducer:
 
     def _bucket_buffer(self, dtype: torch.dtype, width: int, device: torch.device) -> Tensor:
         """A (world_size, columns) buffer, allocated once per dtype and reused (as eager ZeRO-3 keeps its gradient
-        bucket). It is never wider than all trained parameters' partitions together, whatever the configured
-        ``reduce_bucket_size`` (DeepSpeed's default, 5e8 elements, would be 2 GB of fp32 for any model), and it is
-        never zeroed: every gradient writes its columns whole, padding included. A gradient wider than the bucket
-        gets a buffer of its own."""
-        columns = min(self.bucket_numel // self.world_size, self._grad_columns)
+        bucket), and never zeroed: every gradient writes its columns whole, padding included. A gradient wider than
+        the bucket gets a buffer of its own. ``reduce_bucket_size`` bounds it, and so does a quarter of all trained
+        parameters' partitions together (``BUCKET_SHARE``): at DeepSpeed's default, 5e8 elements, one bucket would
+        otherwise hold the whole model's gradient (2 GB of fp32 on GPT-2 355M with 2 ranks), whose reduce could
+        only start when backward ends. With the share, the first reduce starts a quarter of the way through
+        backward's gradients, and at most half of them are held in buckets (one reducing, one filling)."""
+        columns = min(self.bucket_numel // self.world_size, max(1, self._grad_columns // BUCKET_SHARE))
         if width > columns:
             return torch.empty(self.world_size, width, dtype=dtype, device=device)
         busy = {id(pending.buffer) for pending in self._pending}

@@ -3,8 +3,8 @@
 
 Eager ZeRO-3 and DeepCompile train a ``transformers`` GPT-2 on the same data with a ds_config that sets nothing but
 the stage, the batch and the optimizer. fp32 and the eager backend: losses and parameters must be equal (same
-arithmetic, see test_eager_access.py). The runtime's reduce bucket must be sized to the model, not to the default
-``reduce_bucket_size`` of 5e8 elements (2 GB of fp32), so that no per-step cost grows with it (the step times are
+arithmetic, see test_eager_access.py). The runtime's reduce bucket must be sized to a quarter of the model, not to
+the default ``reduce_bucket_size`` of 5e8 elements (2 GB of fp32), so that no per-step cost grows with it (the step times are
 printed, not bounded: a timing bound on this noisy machine would be flaky; benchmarks/ measures them). A
 ``transformers`` Llama checks the gradients against plain autograd's (eager ZeRO-2's), which eager ZeRO-3 itself
 departs from by round-off.
@@ -98,15 +98,15 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
     return out
 
 
-def test_default_settings_train_exactly_with_a_model_sized_bucket():
+def test_default_settings_train_exactly_with_a_bucket_of_a_quarter_of_the_model():
     steps = 8
     for r in run_distributed(_defaults, steps, timeout_s=400):
         dc = r["deepcompile"]
         assert dc["active"]
         assert dc["losses"] == r["eager"]["losses"], (dc["losses"], r["eager"]["losses"])
         assert r["params_equal"]
-        # the bucket holds at most every trained parameter's partition on every rank: the model, not 5e8
-        assert 0 < dc["bucket_numel"] <= dc["partition_numel"], dc
+        # the bucket holds at most a quarter of every trained parameter's partition on every rank, not 5e8 elements
+        assert 0 < dc["bucket_numel"] <= dc["partition_numel"] // 4, dc
         # every parameter of this model is under the default persistence threshold (1e5 elements): as in eager
         # ZeRO-3 they stay gathered across steps, and the graphs gather none of them
         assert dc["persistent"] > 0 and dc["gathers"] == 0, dc

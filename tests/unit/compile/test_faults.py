@@ -230,3 +230,33 @@ def test_a_recompile_limit_reached_on_one_rank_only_stops_every_rank_then_all_ru
                               {"compile_kwargs": {"dynamic": False}}, _recompile_limit_1_on_rank_1, timeout_s=150)
     limit = "rank 1 reached the recompile limit: torch._dynamo.config.recompile_limit (1)"
     _check_stopped_together(results, host_comm, limit, limit)
+
+
+def _rank_evaluates_alone_at_zero2() -> dict:
+    """ZeRO-2: rank 0 alone evaluates the compiled module under ``no_grad`` (as ``generate`` on the main process
+    does) between two training steps; its forward graphs issue no collective, so it needs no peer."""
+    from models import ds_config, make_batch
+    from training import make_engine, train
+    rank = torch.distributed.get_rank()
+    eager = make_engine("gpt", ds_config(2))
+    eager_losses = train(eager, "gpt", 2)
+    eager.destroy()
+    engine = make_engine("gpt", ds_config(2, {"deepcompile": True}))
+    engine.compile(backend="eager")
+    losses = train(engine, "gpt", 1)
+    t0 = time.monotonic()
+    if rank == 0:
+        with torch.no_grad():
+            for step in range(2):
+                engine.module(*make_batch("gpt", step, rank))
+    seconds = time.monotonic() - t0
+    losses += train(engine, "gpt", 1, first_step=1)
+    return {"seconds": seconds, "losses": losses, "eager_losses": eager_losses,
+            "active": engine.is_deepcompile_active()}
+
+
+def test_zero2_evaluation_on_one_rank_alone_needs_no_peer():
+    rank0, rank1 = run_distributed(_rank_evaluates_alone_at_zero2, timeout_s=120)
+    assert rank0["seconds"] < 20, rank0
+    for r in (rank0, rank1):
+        assert r["active"] and r["losses"] == r["eager_losses"], r  # still compiled, and the ranks still in step

@@ -297,10 +297,10 @@ def test_warm_process_loads_the_compiled_graphs_and_trains_identically(tmp_path,
     warm = run_distributed(_one_process, steps, timeout_s=400)
     for c, w in zip(cold, warm):
         assert c["compiled"] > 0 and c["loaded"] == 0 and c["aot"].get("autograd_cache_hit", 0) == 0, c["aot"]
-        assert c["compile_s"]["forward"] > 0 and c["compile_s"]["backward"] > 0
+        assert c["compile_s"]["forward"] > 0 and c["compile_s"]["backward"] > 0 and c["compile_s"]["partition"] > 0
         assert w["loaded"] == w["compiled"] == c["compiled"], (w["loaded"], w["compiled"], c["compiled"])
         assert w["aot"].get("autograd_cache_hit", 0) == c["compiled"], w["aot"]
-        assert w["compile_s"] == {"forward": 0.0, "backward": 0.0}, w["compile_s"]
+        assert w["compile_s"] == {"forward": 0.0, "backward": 0.0, "partition": 0.0}, w["compile_s"]
         assert w["losses"] == c["losses"], (c["losses"], w["losses"])
         assert all(torch.equal(w["params"][k], c["params"][k]) for k in c["params"])
         assert (w["orders"], w["saved"], w["peak"]) == (c["orders"], c["saved"], c["peak"])
