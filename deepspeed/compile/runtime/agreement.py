@@ -81,8 +81,8 @@ class Peers:
     host: Optional[HostComm] = None
     group = None
     agree_timeout: Optional[datetime.timedelta] = None
-
     stage: int = 3
+    agreements = 0  # agreements made so far (a float32 a rank each, all-reduced)
 
     def agrees_now(self) -> bool:
         """Whether a forward graph compiled or run now starts with :func:`agree`: on gloo with more than one rank, for
@@ -92,6 +92,7 @@ class Peers:
 
     def agree(self, code: int, cause: str = "") -> Optional[Outcome]:
         """:func:`agree` on this runtime's ranks and transport."""
+        self.agreements += 1
         return agree(self.group, self.host, code, cause, self.agree_timeout)
 
     def post_failure(self, message: str) -> None:
