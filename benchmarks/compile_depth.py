@@ -22,8 +22,8 @@ sys.path.insert(0, REPO_ROOT)
 from benchmarks import compile_profile, run  # noqa: E402
 from benchmarks.plots import config_name  # noqa: E402
 
-SHOWN = ("dynamo", "AOTAutograd", "partition", "our passes", "inductor lowering", "inductor codegen + C++ compile + load",
-         "running step 0")
+SHOWN = ("dynamo", "AOTAutograd", "partition", "our passes", "inductor lowering",
+         "inductor codegen + C++ compile + load", "running step 0")
 
 
 def measure(args: argparse.Namespace, depth: int) -> List[Dict[str, Any]]:

@@ -99,17 +99,18 @@ def inductor_settings(backend: str, compile_kwargs: Dict[str, Any]) -> Dict[str,
 def warn_static_shapes(compile_kwargs: Dict[str, Any]) -> bool:
     """``dynamic=False``: every new input shape compiles a graph, and a frame past dynamo's ``recompile_limit`` runs
     eagerly. That is exact when every rank falls back at the same step, but ranks fed different lengths (a collator
-    padding each rank's batch to its own longest) reach the limit at different steps: every rank then stops that step
-    and the engine leaves DeepCompile (``_agree_on_recompile_limit``). Warn once, at ``engine.compile()``; returns
+    padding each rank's batch to its own longest) reach the limit at different steps and issue different collectives
+    (a hang, unless ``compile.agree_on_failures``: ``_agree_on_recompile_limit``). Warn once, at ``engine.compile()``; returns
     whether it warned."""
     if compile_kwargs.get("dynamic") is not False:
         return False
     import torch
     logger.warning("deepspeed-compile: compile_kwargs dynamic=False compiles a graph for every new input shape; a "
                    f"frame past torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) runs "
-                   "eagerly, and if the ranks see different lengths they reach that limit at different steps: every "
-                   "rank then stops that step and the engine runs uncompiled eager ZeRO from the next. Leave dynamic unset (one dynamic graph serves every length) "
-                   "or pad every rank's batches to the same few lengths")
+                   "eagerly, and if the ranks see different lengths they reach that limit at different steps and "
+                   "issue different collectives (a hang; compile.agree_on_failures makes every rank stop that step "
+                   "instead). Leave dynamic unset (one dynamic graph serves every length) or pad every rank's "
+                   "batches to the same few lengths")
     return True
 
 
@@ -179,6 +180,7 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
     from .capture.compiler import CompileStats, make_backend
     from .runtime.agreement import FAILED, StepAbandoned
     state = DeepCompileState(runtime, CompileStats(), stage)
+    runtime.agree_on_failures = compile_config.agree_on_failures
     setattr(engine, ATTR, state)
     _LIVE.add(state)
     if engine.fp16_auto_cast():

@@ -429,6 +429,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
         if not runtime.engine.is_deepcompile_active():
             # the engine went back to eager ZeRO-3 (a failed compile): plain torch.compile from here on
             return gm.forward
+        gathered: Dict[int, int] = {}
         try:
             param_ds_ids = runtime.param_ds_ids(example_inputs)
             grad_keys = runtime.grad_keys(example_inputs)
@@ -446,7 +447,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             # dynamic shapes, a float scalar to be traced as a tensor); the next attempt compiles it
             raise
         except BaseException as err:
-            on_failure(err, True)
+            on_failure(err, bool(gathered))  # a graph that gathers is at the start every rank's graph makes
             raise
         if runtime.stage != 3:  # ZeRO-1/2: each call announces the gradients its backward will hand over
             compiled = count_grad_sources(compiled, runtime, [i for i, key in enumerate(grad_keys) if key is not None])
@@ -455,9 +456,9 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}
             compiled = bind_to_traced_params(compiled, uncompiled, traced, runtime)
         # (ZeRO-3's ops find their parameters from the graph's inputs: the graph serves any module of the same code)
-        # dynamo guards a graph on the grad mode it was compiled in: it is the grad mode of every call
-        return start_agreed(compiled, runtime, on_stopped) if on_stopped is not None and runtime.agrees_now() \
-            else compiled
+        # only a graph that gathers runs on every rank alike (Peers.agrees_now)
+        return start_agreed(compiled, runtime, on_stopped) if on_stopped is not None and gathered and \
+            runtime.agrees_now() else compiled
 
     return compile_graph
 

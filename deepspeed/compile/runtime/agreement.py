@@ -83,12 +83,15 @@ class Peers:
     agree_timeout: Optional[datetime.timedelta] = None
     stage: int = 3
     agreements = 0  # agreements made so far (a float32 a rank each, all-reduced)
+    agree_on_failures = False  # compile.agree_on_failures
 
     def agrees_now(self) -> bool:
-        """Whether a forward graph compiled or run now starts with :func:`agree`: on gloo with more than one rank, for
-        every graph at ZeRO-3 and for those that record autograd at ZeRO-1/2. A ZeRO-1/2 forward under ``no_grad``
-        (an evaluation, ``generate`` on one rank) issues no collective, compiled or not, so ranks may run it alone."""
-        return applies(self.group) and (self.stage == 3 or torch.is_grad_enabled())
+        """Whether the ranks agree at graph starts: with ``compile.agree_on_failures``, at ZeRO-3 on gloo with more
+        than one rank (the engine's backend
+        then agrees at the start of each graph that gathers, :func:`agree`). Only graphs that gather are certain to
+        run on every rank alike: a graph without collectives of its own (an expert a router sent this rank's tokens
+        to, a ZeRO-1/2 forward, an evaluation on one rank) may run on some ranks only."""
+        return self.agree_on_failures and applies(self.group) and self.stage == 3
 
     def agree(self, code: int, cause: str = "") -> Optional[Outcome]:
         """:func:`agree` on this runtime's ranks and transport."""

@@ -256,7 +256,6 @@ def test_gradients_travel_in_each_parameters_comm_dtype():
         for precision, by_engine in r.items():
             dc, eager = by_engine["deepcompile"], by_engine["eager"]
             assert dc["active"] and dc["reduces"] > 0, (precision, dc)
-            assert dc["agreement_bytes"] > 0, dc
             assert dc["bytes"] - dc["agreement_bytes"] == eager["bytes"] > 0, (precision, dc, eager["bytes"])
             assert dc["host_comm"] == "gloo", dc
             # through shared memory, where the ranks can share it: the same gradient bytes, none of them through the

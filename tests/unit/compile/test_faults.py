@@ -98,7 +98,7 @@ def test_a_peer_that_exits_mid_training_makes_the_survivor_raise_within_seconds(
         assert "rank 1 exited" in r["message"], r
 
 
-def _rank_compile_fails_on_rank_1(host_comm: str) -> dict:
+def _rank_compile_fails_on_rank_1(host_comm: str, agree: bool) -> dict:
     """Rank 1's forward compile fails (an injected error); rank 0's succeeds. Both must stop in that step, rank 0
     naming rank 1 and the cause, and both then train as eager ZeRO-3."""
     from deepspeed.compile.capture import compiler
@@ -112,7 +112,8 @@ def _rank_compile_fails_on_rank_1(host_comm: str) -> dict:
         def broken(self, gm, example_inputs):
             raise RuntimeError("an injected compile failure")
         compiler.GraphCompiler._compile_forward = broken
-    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": host_comm}))
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": host_comm,
+                                              "agree_on_failures": agree}))
     engine.compile(backend="eager")
     try:
         engine(*make_batch("gpt", 0, rank))
@@ -124,9 +125,11 @@ def _rank_compile_fails_on_rank_1(host_comm: str) -> dict:
             "eager_losses": eager_losses, "host_comm": engine._deepspeed_compile.runtime.host_comm}
 
 
-@pytest.mark.parametrize("host_comm", ["shm", "gloo"])
-def test_one_ranks_compile_failure_stops_every_rank_then_all_run_eager_zero3_together(host_comm):
-    results = run_distributed(_rank_compile_fails_on_rank_1, host_comm, timeout_s=150)
+@pytest.mark.parametrize("host_comm, agree", [("shm", False), ("shm", True), ("gloo", True)])
+def test_one_ranks_compile_failure_stops_every_rank_then_all_run_eager_zero3_together(host_comm, agree):
+    """Through shared memory the failure is posted (the peers' next wait raises); with ``agree_on_failures`` the
+    ranks agree at the graph's start, on either transport."""
+    results = run_distributed(_rank_compile_fails_on_rank_1, host_comm, agree, timeout_s=150)
     for r in results:
         assert r["host_comm"] == host_comm, r
         assert r["raised"] is not None, r
@@ -159,7 +162,8 @@ def _rank_stops_at_step_1(host_comm: str, new_length_on_rank_1, engine_kwargs: d
     eager_losses = [_step(eager, batch(n)) for n in (0, 2, 3)]
     eager.destroy()
     counted = prepare(rank) if prepare is not None else []
-    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": host_comm}))
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": host_comm,
+                                              "agree_on_failures": True}))
     engine.compile(backend="eager", **engine_kwargs)
     losses = [_step(engine, batch(0))]
     t0 = time.monotonic()
