@@ -100,8 +100,8 @@ def warn_static_shapes(compile_kwargs: Dict[str, Any]) -> bool:
     """``dynamic=False``: every new input shape compiles a graph, and a frame past dynamo's ``recompile_limit`` runs
     eagerly. That is exact when every rank falls back at the same step, but ranks fed different lengths (a collator
     padding each rank's batch to its own longest) reach the limit at different steps and issue different collectives
-    (a hang, unless ``compile.agree_on_failures``: ``_agree_on_recompile_limit``). Warn once, at ``engine.compile()``; returns
-    whether it warned."""
+    (a hang, unless ``compile.agree_on_failures``: ``_agree_on_recompile_limit``). Warn once, at
+    ``engine.compile()``; returns whether it warned."""
     if compile_kwargs.get("dynamic") is not False:
         return False
     import torch
@@ -215,7 +215,8 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         runtime.host.on_diverged = lambda why: deactivate(engine, uncompile=True)
     # the engine calls this when DeepCompile is switched off and at destroy: the runtime's segments go then
     engine._deepcompile_dynamo_config_restore = runtime.close
-    recompile_limit.install(_agree_on_recompile_limit)
+    if compile_config.agree_on_failures:  # dynamo's check wrapped only where it is used
+        recompile_limit.install(_agree_on_recompile_limit)
 
     compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config,
                                  on_stopped)
