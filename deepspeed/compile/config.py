@@ -88,12 +88,12 @@ class CompileConfig(DeepSpeedConfigModel):
     the bytes on the cores that compute), else through the process group. ``"shm"``: shared memory, or an error at
     set-up saying why not. ``"gloo"``: always the process group (``docs/design.md``, "Collectives through shared
     memory")."""
-    agree_on_failures: bool = False
-    """ZeRO-3 on gloo: every compiled graph that gathers starts with a small all-reduce in which the ranks agree to run
-    it, so that one rank's compile failure or recompile limit stops every rank in the same step, on either transport
-    (``runtime/agreement.py``). Off by default: ranks may run different numbers of gathering graphs (a graph whose
-    parameters eager code holds gathered issues no collective, as with experts a router picks per rank), and there
-    the agreements do not pair. Without it a compile failure is agreed through shared memory only."""
+    agree_on_failures: bool = True
+    """ZeRO-3 on gloo: before each compiled graph's first collective the ranks agree, in a small all-reduce, that
+    each runs its graph, so that one rank's compile failure or recompile limit stops every rank in the same step with
+    an error naming the rank and the cause, on either transport, and all go on as eager ZeRO-3
+    (``runtime/agreement.py``). False: a compile failure is posted through shared memory only, and through the process
+    group, or for a recompile limit, the ranks may go on different paths."""
     host_comm_dir: str = "/dev/shm"
     """Where ``host_comm`` creates its segments (one file a rank, unlinked once every rank has mapped every segment):
     a directory on a memory-backed file system (tmpfs) that every rank of the host sees as the same directory. Where

@@ -100,7 +100,7 @@ def warn_static_shapes(compile_kwargs: Dict[str, Any]) -> bool:
     """``dynamic=False``: every new input shape compiles a graph, and a frame past dynamo's ``recompile_limit`` runs
     eagerly. That is exact when every rank falls back at the same step, but ranks fed different lengths (a collator
     padding each rank's batch to its own longest) reach the limit at different steps and issue different collectives
-    (a hang, unless ``compile.agree_on_failures``: ``_agree_on_recompile_limit``). Warn once, at
+    (a hang, but for ``compile.agree_on_failures``, on by default: ``_agree_on_recompile_limit``). Warn once, at
     ``engine.compile()``; returns whether it warned."""
     if compile_kwargs.get("dynamic") is not False:
         return False
@@ -108,9 +108,9 @@ def warn_static_shapes(compile_kwargs: Dict[str, Any]) -> bool:
     logger.warning("deepspeed-compile: compile_kwargs dynamic=False compiles a graph for every new input shape; a "
                    f"frame past torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) runs "
                    "eagerly, and if the ranks see different lengths they reach that limit at different steps and "
-                   "issue different collectives (a hang; compile.agree_on_failures makes every rank stop that step "
-                   "instead). Leave dynamic unset (one dynamic graph serves every length) or pad every rank's "
-                   "batches to the same few lengths")
+                   "issue different collectives (compile.agree_on_failures, on by default, then stops every rank in "
+                   "that step and goes on as eager ZeRO-3). Leave dynamic unset (one dynamic graph serves every "
+                   "length) or pad every rank's batches to the same few lengths")
     return True
 
 
@@ -188,15 +188,15 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         runtime.input_cast_hook = engine.module.register_forward_pre_hook(
             lambda module, args: engine._cast_inputs_half(args))
 
-    def on_failure(err: BaseException, at_graph_start: bool) -> None:
+    def on_failure(err: BaseException, in_place_of_a_graph: bool) -> None:
         cause = f"compiling a graph failed ({type(err).__name__}: {err})"
         logger.error(f"deepspeed-compile: {cause}; the engine runs uncompiled eager ZeRO-{stage} from the next step "
                      "on (engine.compile() tries again)")
         try:
             # the peers must not go on with their graphs either, or the ranks' collectives differ: where the ranks
-            # agree at each graph's start, this takes the place of the graph's agreement and they stop here; else
-            # their next wait on shared memory raises naming this rank (HostComm.on_diverged)
-            if at_graph_start and runtime.agrees_now():
+            # agree before a graph's first collective, this takes the place of the graph's agreement and they stop
+            # there; else their next wait on shared memory raises naming this rank (HostComm.on_diverged)
+            if in_place_of_a_graph and runtime.agrees_now():
                 runtime.agree(FAILED, cause)
             else:
                 runtime.post_failure(f"{cause}; it runs uncompiled eager ZeRO-{stage} from the next step on")
@@ -210,7 +210,7 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         raise StepAbandoned(f"deepspeed-compile: {why}. Every rank stops this step (skip its engine.backward() and "
                             f"engine.step()) and runs uncompiled eager ZeRO-{stage} from the next step on")
 
-    state.on_stopped = on_stopped
+    state.on_stopped = runtime.on_stopped = on_stopped
     if runtime.host is not None:
         runtime.host.on_diverged = lambda why: deactivate(engine, uncompile=True)
     # the engine calls this when DeepCompile is switched off and at destroy: the runtime's segments go then
@@ -218,8 +218,7 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
     if compile_config.agree_on_failures:  # dynamo's check wrapped only where it is used
         recompile_limit.install(_agree_on_recompile_limit)
 
-    compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config,
-                                 on_stopped)
+    compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config)
     ds_checkpointing.install()
     ignored = ds_checkpointing.unsupported_settings(engine._config)
     if ignored:
@@ -239,9 +238,9 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
 
 def _agree_on_recompile_limit(cause: str) -> None:
     """Dynamo reached its recompile limit at a frame (``cause`` says which limit): on this rank the frame runs
-    uncompiled, dynamo's own fallback. In an engine's forward, where the ranks agree at each graph's start, this rank
-    says so in place of the frame's graph: where every rank reached the limit here, all run the frame uncompiled and
-    the step goes on; else every rank stops this step (``runtime/agreement.py``)."""
+    uncompiled, dynamo's own fallback. In an engine's forward, where the ranks agree before each graph's first
+    collective, this rank says so in place of the frame's graph: where every rank reached the limit here, all run the
+    frame uncompiled and the step goes on; else every rank stops this step (``runtime/agreement.py``)."""
     from .runtime.agreement import LIMIT
     for state in list(_LIVE):
         runtime = state.runtime

@@ -30,7 +30,6 @@ from ..config import CompileConfig
 from ..graph import rewrite
 from . import cache
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, joint_primals, placeholders
-from ..runtime.agreement import RUN
 from ..runtime.ops import PLAIN_CALLS, UNTRACED_CALLS
 from ..graph.recompute import choose_kept_by_reuse, choose_kept_params, tag_param_aliases_pass
 from ..graph.runner import run_passes
@@ -190,7 +189,8 @@ class GraphCompiler:
             return self._compile_backward(gm, example_inputs)
         except Exception as err:
             if self.on_failure is not None:
-                self.on_failure(err, False)  # no graph's start: the peers are in their backward already
+                # a graph that gathers: the peers' backward agrees before its first collective
+                self.on_failure(err, any(ds_id is not None for ds_id in self.param_ds_ids))
             raise RuntimeError(f"deepspeed-compile: compiling a backward graph failed ({type(err).__name__}: {err}). "
                                "This step's backward cannot run: skip it (do not call engine.step()); the engine "
                                "runs uncompiled eager ZeRO-3 from the next forward on") from err
@@ -414,13 +414,11 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
 
 
 def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: str,
-                 on_failure: Callable[[BaseException, bool], None], inductor_config: Optional[Dict[str, Any]] = None,
-                 on_stopped: Optional[Callable] = None):
+                 on_failure: Callable[[BaseException, bool], None], inductor_config: Optional[Dict[str, Any]] = None):
     """The callable handed to ``torch.compile``: compiles each dynamo graph of the engine's module. Under inductor,
     every graph compiles with ``inductor_config`` (``engine_state.inductor_settings``) patched into inductor's
-    config. ``on_failure(err, at_graph_start)`` is told of a failed compile; where the runtime's ranks agree at each
-    graph's start (``runtime/agreement.py``), a compiled graph runs only where every rank runs one, else
-    ``on_stopped(outcome)`` raises."""
+    config. ``on_failure(err, in_place_of_a_graph)`` is told of a failed compile. Where the runtime's ranks agree
+    before each graph's first collective (``runtime/agreement.py``), a graph that gathers is marked so."""
     inductor_config = inductor_config or {}
 
     def compile_graph(gm: GraphModule, example_inputs, mode=None, options=None):
@@ -447,7 +445,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             # dynamic shapes, a float scalar to be traced as a tensor); the next attempt compiles it
             raise
         except BaseException as err:
-            on_failure(err, bool(gathered))  # a graph that gathers is at the start every rank's graph makes
+            on_failure(err, bool(gathered))  # the peers' graph, if they run it, gathers: it agrees first
             raise
         if runtime.stage != 3:  # ZeRO-1/2: each call announces the gradients its backward will hand over
             compiled = count_grad_sources(compiled, runtime, [i for i, key in enumerate(grad_keys) if key is not None])
@@ -456,20 +454,24 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}
             compiled = bind_to_traced_params(compiled, uncompiled, traced, runtime)
         # (ZeRO-3's ops find their parameters from the graph's inputs: the graph serves any module of the same code)
-        # only a graph that gathers runs on every rank alike (Peers.agrees_now)
-        return start_agreed(compiled, runtime, on_stopped) if on_stopped is not None and gathered and \
-            runtime.agrees_now() else compiled
+        return start_agreed(compiled, runtime) if gathered and runtime.agrees_now() else compiled
 
     return compile_graph
 
 
-def start_agreed(compiled: Callable, runtime, on_stopped: Callable) -> Callable:
-    """The graph, run only where every rank runs its graph: each call first agrees with the peers
-    (``runtime/agreement.py``), and where a rank could not run one, ``on_stopped(outcome)`` raises instead."""
+def start_agreed(compiled: Callable, runtime) -> Callable:
+    """The graph, marking the ranks' agreement due at its start and at its backward's (``runtime/agreement.py``):
+    the runtime's next collective makes it, and where a rank could not run its graph, every rank raises there. The
+    backward's start is when the first gradient reaches the graph's outputs, whether AOTAutograd compiled that
+    backward or loaded it from its cache."""
     def run(*args):
-        outcome = runtime.agree(RUN)
-        if outcome is not None:
-            on_stopped(outcome)
-        return compiled(*args)
+        runtime.graph_started()
+        out = compiled(*args)
+        grads_to_come = [t for t in (out if isinstance(out, (list, tuple)) else (out, ))
+                         if isinstance(t, torch.Tensor) and t.requires_grad]
+        if grads_to_come:
+            torch.autograd.graph.register_multi_grad_hook(grads_to_come, lambda grad: runtime.graph_started(),
+                                                          mode="any")
+        return out
 
     return run

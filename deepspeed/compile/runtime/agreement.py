@@ -3,24 +3,30 @@
 
 A rank whose compile fails, or whose frame dynamo sends to eager past ``torch._dynamo.config.recompile_limit``, would
 otherwise go on alone: its collectives (eager ZeRO's, or none) then meet the peers' compiled ones, and the job hangs
-or exchanges the wrong bytes. So, with ``compile.agree_on_failures``, every compiled graph that gathers starts with
-one small all-reduce, :func:`agree`, made before any collective of the graph, and a rank that cannot run the graph makes the same all-reduce in its place, at
-the point its compile failed or the limit was reached, with a code that says why. Every rank thus learns, at the same
-point of the same step, which ranks stopped and why (a second collective carries the causes, only then), and all
-stop that step together (:class:`StepAbandoned`) and go on as eager ZeRO. Where every rank reached the recompile limit
-at that frame they all run it uncompiled, as dynamo would, and the step goes on.
+or exchanges the wrong bytes. So every compiled graph's first collective is preceded by one small all-reduce,
+:func:`agree`, in which each rank says that it runs its graph; a rank that cannot run the graph makes the same
+all-reduce in its place, at the point its compile failed or the limit was reached, with a code that says why. Every
+rank thus learns, at the same point of the same step, which ranks stopped and why (a second collective carries the
+causes, only then), and all stop that step together (:class:`StepAbandoned`) and go on as eager ZeRO. Where every
+rank reached the recompile limit at that frame they all run it uncompiled, as dynamo would, and the step goes on.
+
+The agreement waits for a graph's first collective, not its start: ranks may run different numbers of graphs that
+issue none (a graph inside a leaf module reads the parameters eager code gathered, and a router may send this rank's
+tokens to experts it does not send another's to), while the graphs that issue collectives run alike on every rank,
+or their collectives would not pair. A graph run marks an agreement due (:meth:`Peers.graph_started`), at its start
+and, for its backward, when the first gradient reaches its outputs; the runtime's next collective makes it
+(:meth:`Peers.before_collective`). A forward graph thus agrees once and its backward once, whole model or block by
+block, and a backward compiled lazily, at its first run, fails on one rank as a forward does.
 
 The all-reduce goes through the runtime's transport: a few bytes through shared memory (45 us with 2 ranks), or one
 gloo all-reduce (310 us) through the process group (``benchmarks/gloo_collectives.py``). It applies at ZeRO-3 where
-the process group is gloo (the CPU path); on NCCL it would make the host wait for the device at every graph. It is
-off by default: ranks may run different numbers of gathering graphs (a graph whose parameters eager code holds
-gathered issues no collective, as with experts a router picks per rank), and there the agreements do not pair.
-A backward graph compiled lazily, at its first run, has no such start: its failure is posted through shared memory
-(``HostComm.post_failure``), and through the process group it is not agreed.
+the process group is gloo (the CPU path); on NCCL it would make the host wait for the device at every graph.
+``compile.agree_on_failures: false`` turns it off: a failure is then only posted through shared memory
+(``HostComm.post_failure``), and through the process group the ranks may go on different paths.
 """
 import datetime
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -85,18 +91,32 @@ class Peers:
     agree_timeout: Optional[datetime.timedelta] = None
     stage: int = 3
     agreements = 0  # agreements made so far (a float32 a rank each, all-reduced)
-    agree_on_failures = False  # compile.agree_on_failures
+    agree_on_failures = True  # compile.agree_on_failures
+    agreement_due = False  # a graph ran since the last agreement: the next collective agrees first
+    on_stopped: Optional[Callable[[Outcome], None]] = None  # raises: a peer could not run its graph
 
     def agrees_now(self) -> bool:
-        """Whether the ranks agree at graph starts: with ``compile.agree_on_failures``, at ZeRO-3 on gloo with more
-        than one rank (the engine's backend
-        then agrees at the start of each graph that gathers, :func:`agree`). Only graphs that gather are certain to
-        run on every rank alike: a graph without collectives of its own (an expert a router sent this rank's tokens
-        to, a ZeRO-1/2 forward, an evaluation on one rank) may run on some ranks only."""
+        """Whether the ranks agree before each graph's first collective: with ``compile.agree_on_failures``, at
+        ZeRO-3 on gloo with more than one rank. A ZeRO-1/2 graph issues no collective of its own."""
         return self.agree_on_failures and applies(self.group) and self.stage == 3
 
+    def graph_started(self) -> None:
+        """A compiled graph starts (its forward, or its backward): its first collective agrees first, if the
+        ranks agree now."""
+        if self.agrees_now():
+            self.agreement_due = True
+
+    def before_collective(self) -> None:
+        """The runtime is about to start a collective: where a graph started since the last agreement, every rank
+        agrees first, and where one could not run its graph, :attr:`on_stopped` raises."""
+        if self.agreement_due:
+            outcome = self.agree(RUN)
+            if outcome is not None and self.on_stopped is not None:
+                self.on_stopped(outcome)
+
     def agree(self, code: int, cause: str = "") -> Optional[Outcome]:
-        """:func:`agree` on this runtime's ranks and transport."""
+        """:func:`agree` on this runtime's ranks and transport (the agreement due, if any, is this one)."""
+        self.agreement_due = False
         self.agreements += 1
         return agree(self.group, self.host, code, cause, self.agree_timeout)
 

@@ -70,6 +70,8 @@ class CommLog:
         # (kind, ds_ids of its parameters, elements sent) of every collective issued, in issue order, while
         # recording: every rank must issue the same sequence (a mismatch of equal sizes would not even hang)
         self.issued_collectives: Optional[List[Tuple[str, Tuple[int, ...], int]]] = None
+        # called before every collective the runtime starts (the ranks' agreement, runtime/agreement.py)
+        self.before_start: Callable[[], None] = lambda: None
 
     def record(self, on: bool) -> None:
         """Start (clearing what was recorded) or stop the three recordings."""

@@ -66,6 +66,7 @@ class Z3Runtime(Peers):
         self.free_on_release = free_on_release
         self.comm = CommLog(timeout_s)
         self.agree_timeout = self.comm.timeout
+        self.comm.before_start = self.before_collective
         # adjacent gathers of a graph go out as one collective of at most this many elements (0: never coalesce)
         self.gather_bucket_numel = int(engine.zero_prefetch_bucket_size())
         # DeepSpeed's stage3_max_reuse_distance: which parameters stay gathered from forward to backward
@@ -201,6 +202,7 @@ class Z3Runtime(Peers):
             return entry.tensor
         if held:
             return self._copy_held(param, key)
+        self.comm.before_start()
         start = time.perf_counter()
         gathered_from = shard_state(param)
         if self.runs.shards_offloaded:

@@ -178,6 +178,7 @@ class GradientReducer:
         if bucket is None or not bucket.items:
             return
         self._finish_reduces()
+        self.comm.before_start()
         send = self._compact(bucket)
         send.div_(self.world_size)  # gloo has no AVG: pre-divide, then SUM (as eager ZeRO-3 does)
         if self._host is not None:

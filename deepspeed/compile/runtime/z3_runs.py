@@ -207,6 +207,7 @@ class GatherRuns:
     def _start(self, members: List[Parameter], dtype: torch.dtype) -> _Started:
         """One all-gather for several parameters, started: each rank sends its shards, cast first (by the native op's
         start form, or by the copy that concatenates them)."""
+        self.comm.before_start()
         states = [shard_state(p) for p in members]
         shards = [p.ds_tensor.reshape(-1) for p in members]
         widths = [s.numel() for s in shards]

@@ -232,7 +232,7 @@ def _reduce_bytes(steps):
                     norms.append(float(engine.get_global_grad_norm()))
             result = out[precision][name] = {"bytes": counts.reduce_scatter_bytes + counts.all_reduce_bytes,
                                              "reduce_scatter_bytes": counts.reduce_scatter_bytes, "grad_norms": norms}
-            if runtime is not None:  # each forward graph's start: a float32 a rank, all-reduced (runtime/agreement.py)
+            if runtime is not None:  # each graph's agreement: a float32 a rank, all-reduced (runtime/agreement.py)
                 result["agreement_bytes"] = (runtime.agreements - agreements) * 4 * torch.distributed.get_world_size()
             if name != "eager":
                 from deepspeed.compile.report import engine_report

@@ -127,8 +127,8 @@ def _rank_compile_fails_on_rank_1(host_comm: str, agree: bool) -> dict:
 
 @pytest.mark.parametrize("host_comm, agree", [("shm", False), ("shm", True), ("gloo", True)])
 def test_one_ranks_compile_failure_stops_every_rank_then_all_run_eager_zero3_together(host_comm, agree):
-    """Through shared memory the failure is posted (the peers' next wait raises); with ``agree_on_failures`` the
-    ranks agree at the graph's start, on either transport."""
+    """Through shared memory the failure is posted (the peers' next wait raises); with ``agree_on_failures`` (the
+    default) the ranks agree before the graph's first collective, on either transport."""
     results = run_distributed(_rank_compile_fails_on_rank_1, host_comm, agree, timeout_s=150)
     for r in results:
         assert r["host_comm"] == host_comm, r
@@ -138,6 +138,80 @@ def test_one_ranks_compile_failure_stops_every_rank_then_all_run_eager_zero3_tog
     assert "an injected compile failure" in results[1]["raised"], results[1]
     assert "rank 1 failed: compiling a graph failed (RuntimeError: an injected compile failure)" in \
         results[0]["raised"], results[0]
+
+
+def _rank_backward_compile_fails_on_rank_1(host_comm: str, reuse_distance: int) -> dict:
+    """Rank 1's backward compile (AOTAutograd's, lazy, inside the first ``backward()``) fails; rank 0's succeeds and
+    its backward starts gathering or reducing. Both must stop in that backward, rank 0 naming rank 1 and the cause."""
+    from deepspeed.compile.capture import compiler
+    from models import ds_config, make_batch
+    from training import make_engine, train
+    rank = torch.distributed.get_rank()
+    eager = make_engine("gpt", ds_config(3))
+    eager_losses = train(eager, "gpt", 2, first_step=1)  # the failed step is skipped
+    eager.destroy()
+    if rank == 1:
+        def broken(self, gm, example_inputs):
+            raise RuntimeError("an injected backward compile failure")
+        compiler.GraphCompiler._compile_backward = broken
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": host_comm},
+                                          zero_overrides={"stage3_max_reuse_distance": reuse_distance}))
+    engine.compile(backend="eager")
+    loss = engine(*make_batch("gpt", 0, rank))
+    t0 = time.monotonic()
+    try:
+        engine.backward(loss)
+        raised = None
+    except Exception as err:
+        raised = f"{type(err).__name__}: {err}"
+    seconds = time.monotonic() - t0
+    return {"raised": raised, "seconds": seconds, "active": engine.is_deepcompile_active(),
+            "losses": train(engine, "gpt", 2, first_step=1), "eager_losses": eager_losses,
+            "host_comm": engine._deepspeed_compile.runtime.host_comm}
+
+
+@pytest.mark.parametrize("host_comm, reuse_distance", [("shm", 0), ("gloo", 0), ("gloo", 10**9)])
+def test_one_ranks_backward_compile_failure_stops_every_rank_in_that_backward(host_comm, reuse_distance):
+    """The peers' backward agrees before its first collective (its start is marked when the first gradient reaches
+    the forward graph's outputs), so a backward that only rank 1 failed to compile stops both ranks there
+    (``agree_on_failures``, on by default), on either transport. Its first collective is a gather where nothing was
+    kept from forward (reuse distance 0), a reduce where everything was (DeepSpeed's default reuse distance)."""
+    results = run_distributed(_rank_backward_compile_fails_on_rank_1, host_comm, reuse_distance, timeout_s=150)
+    _check_stopped_together(results, host_comm, "RuntimeError: deepspeed-compile: compiling a backward graph failed "
+                            "(RuntimeError: an injected backward compile failure)",
+                            "StepAbandoned: deepspeed-compile: rank 1 failed: compiling a graph failed (RuntimeError: "
+                            "an injected backward compile failure)")
+
+
+def _agreements_a_step() -> dict:
+    """Agreements in each of two steps after the first, and the forward graphs compiled, whole model and by block."""
+    from models import ds_config
+    from training import make_engine, train
+    found = {}
+    for regions in ("model", "blocks"):
+        # prefetch on: a graph's gathers go out as runs (runtime/z3_runs.py), the first before the graph's first use
+        engine = make_engine("gpt", ds_config(3, {"deepcompile": True, "host_comm": "gloo", "regions": regions},
+                                              zero_overrides={"stage3_prefetch_bucket_size": 20000}))
+        train(engine, "gpt", 1, compile_kwargs={"backend": "eager"})
+        state = engine._deepspeed_compile
+        counts = []
+        for step in (1, 2):
+            before = state.runtime.agreements
+            train(engine, "gpt", 1, first_step=step)
+            counts.append(state.runtime.agreements - before)
+        found[regions] = (counts, state.stats.graphs_compiled)
+        engine.destroy()
+    return found
+
+
+def test_every_graph_agrees_once_in_its_forward_and_once_in_its_backward():
+    """The agreement's cost, counted: at most one a graph in forward and one in backward (each a float32 a rank), and
+    the same every step. Whole model: one graph, two. Block by block: a graph a block and the head's, where a graph
+    whose gathers a run started before it issues no collective of its own and its agreement is the next one's."""
+    for found in run_distributed(_agreements_a_step):
+        assert found["model"] == ([2, 2], 1), found
+        counts, graphs = found["blocks"]
+        assert graphs > 1 and graphs < counts[0] <= 2 * graphs and counts[0] == counts[1], found
 
 
 def _step(engine, batch) -> float:

@@ -388,7 +388,8 @@ def _gather_timeout(native_op, flag, prefetch_bucket=0):
     comm.timeout = configured
     assert configured == datetime.timedelta(seconds=2), configured
     dist.barrier()
-    # the agreement at the graph's start (runtime/agreement.py) would time out first: not the wait under test here
+    # the agreement before the graph's first collective (runtime/agreement.py) would time out first: not the wait
+    # under test here
     runtime_of(engine).agree = lambda code, cause="": None
     if dist.get_rank() == 1:
         # never joins the next gather, and stays alive until rank 0 is done (so it sees a timeout, not a hang-up)
