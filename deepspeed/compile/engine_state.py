@@ -244,7 +244,10 @@ def _agree_on_recompile_limit(cause: str) -> None:
     from .runtime.agreement import LIMIT
     for state in list(_LIVE):
         runtime = state.runtime
-        if runtime.forward_running and runtime.engine.is_deepcompile_active() and runtime.agrees_now():
+        # (ZeRO-1/2: a frame run as Python hands its gradients to ZeRO through the runtime as a graph does, in the
+        # same buckets: the ranks' collectives stay the same)
+        if runtime.stage == 3 and runtime.forward_running and runtime.engine.is_deepcompile_active() and \
+                runtime.agrees_now():
             outcome = runtime.agree(LIMIT, cause)
             if not outcome.all(LIMIT):
                 state.on_stopped(outcome)

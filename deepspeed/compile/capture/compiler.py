@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -189,8 +189,9 @@ class GraphCompiler:
             return self._compile_backward(gm, example_inputs)
         except Exception as err:
             if self.on_failure is not None:
-                # a graph that gathers: the peers' backward agrees before its first collective
-                self.on_failure(err, any(ds_id is not None for ds_id in self.param_ds_ids))
+                # the peers' backward, where it gathers or reduces, agrees before its first collective
+                gathered = [ds_id for ds_id in self.param_ds_ids if ds_id is not None]
+                self.on_failure(err, pairs_across_ranks(gathered, self.grad_keys, True))
             raise RuntimeError(f"deepspeed-compile: compiling a backward graph failed ({type(err).__name__}: {err}). "
                                "This step's backward cannot run: skip it (do not call engine.step()); the engine "
                                "runs uncompiled eager ZeRO-3 from the next forward on") from err
@@ -428,6 +429,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             # the engine went back to eager ZeRO-3 (a failed compile): plain torch.compile from here on
             return gm.forward
         gathered: Dict[int, int] = {}
+        grad_keys: List[Optional[int]] = []
         try:
             param_ds_ids = runtime.param_ds_ids(example_inputs)
             grad_keys = runtime.grad_keys(example_inputs)
@@ -445,7 +447,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             # dynamic shapes, a float scalar to be traced as a tensor); the next attempt compiles it
             raise
         except BaseException as err:
-            on_failure(err, bool(gathered))  # the peers' graph, if they run it, gathers: it agrees first
+            on_failure(err, pairs_across_ranks(gathered, grad_keys, torch.is_grad_enabled()))
             raise
         if runtime.stage != 3:  # ZeRO-1/2: each call announces the gradients its backward will hand over
             compiled = count_grad_sources(compiled, runtime, [i for i, key in enumerate(grad_keys) if key is not None])
@@ -454,9 +456,17 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}
             compiled = bind_to_traced_params(compiled, uncompiled, traced, runtime)
         # (ZeRO-3's ops find their parameters from the graph's inputs: the graph serves any module of the same code)
-        return start_agreed(compiled, runtime) if gathered and runtime.agrees_now() else compiled
+        pairs = pairs_across_ranks(gathered, grad_keys, torch.is_grad_enabled())
+        return start_agreed(compiled, runtime) if pairs and runtime.agrees_now() else compiled
 
     return compile_graph
+
+
+def pairs_across_ranks(gathered, grad_keys: Sequence[Optional[int]], grad_enabled: bool) -> bool:
+    """Whether a graph's runs issue collectives that every rank's run pairs with: it gathers (ZeRO-3), or its backward
+    hands gradients to ZeRO (``grad_keys``, with grad enabled). Others (a ZeRO-1/2 graph under ``no_grad``, as in an
+    evaluation on one rank) may run on some ranks only, and agree on nothing."""
+    return bool(gathered) or grad_enabled and any(key is not None for key in grad_keys)
 
 
 def start_agreed(compiled: Callable, runtime) -> Callable:

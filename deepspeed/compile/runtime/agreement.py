@@ -15,12 +15,19 @@ issue none (a graph inside a leaf module reads the parameters eager code gathere
 tokens to experts it does not send another's to), while the graphs that issue collectives run alike on every rank,
 or their collectives would not pair. A graph run marks an agreement due (:meth:`Peers.graph_started`), at its start
 and, for its backward, when the first gradient reaches its outputs; the runtime's next collective makes it
-(:meth:`Peers.before_collective`). A forward graph thus agrees once and its backward once, whole model or block by
-block, and a backward compiled lazily, at its first run, fails on one rank as a forward does.
+(:meth:`Peers.before_collective`). A ZeRO-3 forward graph thus agrees once and its backward once, whole model or block
+by block, and a backward compiled lazily, at its first run, fails on one rank as a forward does.
+
+At ZeRO-1/2 the graphs issue no collective of their own; their backward hands gradients to ZeRO, which reduces
+them, so the agreement comes before a backward's first gradient is accumulated or handed over (``Z12Runtime.reduce``)
+or ZeRO-1's reduction at the end of backward: a backward every rank stops leaves ``param.grad`` as it found it. A
+graph under ``no_grad`` there hands nothing and agrees on nothing (an evaluation may run on one rank alone); a frame
+past the recompile limit runs as Python and hands its gradients over the same way, so the ranks' collectives stay the
+same and nothing is agreed.
 
 The all-reduce goes through the runtime's transport: a few bytes through shared memory (45 us with 2 ranks), or one
-gloo all-reduce (310 us) through the process group (``benchmarks/gloo_collectives.py``). It applies at ZeRO-3 where
-the process group is gloo (the CPU path); on NCCL it would make the host wait for the device at every graph.
+gloo all-reduce (310 us) through the process group (``benchmarks/gloo_collectives.py``). It applies where the process
+group is gloo (the CPU path); on NCCL it would make the host wait for the device at every graph.
 ``compile.agree_on_failures: false`` turns it off: a failure is then only posted through shared memory
 (``HostComm.post_failure``), and through the process group the ranks may go on different paths.
 """
@@ -96,9 +103,9 @@ class Peers:
     on_stopped: Optional[Callable[[Outcome], None]] = None  # raises: a peer could not run its graph
 
     def agrees_now(self) -> bool:
-        """Whether the ranks agree before each graph's first collective: with ``compile.agree_on_failures``, at
-        ZeRO-3 on gloo with more than one rank. A ZeRO-1/2 graph issues no collective of its own."""
-        return self.agree_on_failures and applies(self.group) and self.stage == 3
+        """Whether the ranks agree before each graph's first collective: with ``compile.agree_on_failures``, on gloo
+        with more than one rank."""
+        return self.agree_on_failures and applies(self.group)
 
     def graph_started(self) -> None:
         """A compiled graph starts (its forward, or its backward): its first collective agrees first, if the

@@ -170,6 +170,7 @@ class Z12Runtime(Peers):
         if not gradient_wanted(self.params[key]):
             return
         self._check_backward_running()
+        self.before_collective()  # before the product is written into ZeRO's bucket (see reduce)
         self.counters.matmul_grads += 1
         slot = self._bucket_slot(key, mat1, mat2)
         if slot is None:
@@ -216,6 +217,9 @@ class Z12Runtime(Peers):
         ``AccumulateGrad`` does (``+=`` on an existing gradient), and hand it to ZeRO once its last source came.
         ``owned``: ``grad`` is a tensor no graph holds, which ``param.grad`` may keep as it is."""
         self._check_backward_running()
+        # before a backward's first gradient is accumulated or handed to ZeRO (whose buckets reduce from there), the
+        # ranks agree (runtime/agreement.py): a backward every rank stops leaves param.grad as it found it
+        self.before_collective()
         param = self.params[key]
         if key in self._handed:
             self._second_gradient(key)
@@ -302,6 +306,7 @@ class Z12Runtime(Peers):
         """Autograd is about to accumulate into parameter ``key``: ``grad`` is None when it comes only from the
         compiled graphs (their backward returns None for it), else the gradient of its eager uses."""
         if grad is not None:
+            self.before_collective()  # before autograd accumulates it (see reduce)
             self._eager_incoming.add(key)
 
     def detach(self) -> None:
@@ -363,6 +368,7 @@ class Z12Runtime(Peers):
         engine, optimizer = self.engine, self.optimizer
         if not engine.enable_backward_allreduce or engine.inside_no_sync_ctxt:
             return
+        self.before_collective()
         boundary = engine.is_gradient_accumulation_boundary()
         optimizer.set_gradient_accumulation_boundary(boundary)
         if engine.zero_optimization_partition_gradients():

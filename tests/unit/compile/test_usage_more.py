@@ -329,8 +329,9 @@ def test_float64_batch_on_one_rank_fails_both_ranks_with_the_cause():
 def test_empty_batch_on_one_rank_does_not_hang():
     """Rank 1 alone gets a batch of no rows at step 1. Eager ZeRO-3 trains on (rank 1's loss, a mean over nothing, is
     NaN). DeepCompile traces the new shape and fails there: torch's own mse_loss backward decomposition divides by
-    the element count (ZeroDivisionError), and rank 0, waiting in a gather, raises at once with rank 1's cause. What
-    this checks: both ranks end with an error that says why, none waits for the timeout."""
+    the element count (ZeroDivisionError), and rank 0, agreeing before its graph's first gather (runtime/agreement.py),
+    raises at once with rank 1's cause. What this checks: both ranks end with an error that says why, none waits for
+    the timeout."""
     eager = _outcome("empty", None)
     compiled = _outcome("empty", {"deepcompile": True, "collective_timeout_s": 10})
     print(eager, compiled, sep="\n")
@@ -339,7 +340,7 @@ def test_empty_batch_on_one_rank_does_not_hang():
     errors = _rank_errors(compiled)
     assert sorted(errors) == [0, 1], errors
     assert "ZeroDivisionError" in errors[1], errors[1][-2000:]
-    cause = "HostCommError: deepspeed-compile: rank 1 failed: compiling a graph failed (ZeroDivisionError"
+    cause = "StepAbandoned: deepspeed-compile: rank 1 failed: compiling a graph failed (ZeroDivisionError"
     assert cause in errors[0], errors[0][-2000:]
 
 
