@@ -10,8 +10,8 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q torch==2.13.0
-DS_BUILD_OPS=0 python -m pip install -q -r requirements/requirements-dev.txt
-python -m pip install -q .
+DS_BUILD_OPS=0 python -m pip install -q -r requirements/requirements-dev.txt -c requirements/constraints.txt
+python -m pip install -q . -c requirements/constraints.txt
 # DeepSpeed's CPU communication backend JIT-builds a shared-memory op (deepspeed_shm_comm_op, about a minute of C++)
 # the first time any process initializes deepspeed.comm. It is part of installing DeepSpeed here: build it now, into
 # the extensions folder .ci/run and the main job set, rather than inside whichever test or training run comes first.

@@ -228,24 +228,32 @@ class GraphCompiler:
             if part is not None:  # no backward part: an inference graph, or a process that never ran backward
                 self.stats.add(part)
 
-    def _finish(self, gm: GraphModule, example_inputs, *, is_backward: bool, is_inference: bool):
-        fuse = is_backward and self.runtime.stage != 3 and self.config.fused_matmul_reduce
+    def _lowering(self, is_backward: bool) -> List[Tuple[str, Callable[[GraphModule], GraphModule]]]:
+        """The passes that make a graph, once our passes have placed its collectives, into what the backend runs,
+        in order. Eager: a ZeRO-1/2 backward's weight gradients fused with their reduces, then each op called as the
+        plain function behind it. Inductor: reduces deferred past fusible code, the fusion, the collectives' order
+        made a data dependency (inductor may not reorder them), then each op called as its untraced twin."""
+        fused = [("fuse_matmul_reduces", rewrite.fuse_matmul_reduces_pass)] if (
+            is_backward and self.runtime.stage != 3 and self.config.fused_matmul_reduce) else []
         if self.backend == "eager":
-            return boxed_eager(rewrite.fuse_matmul_reduces_pass(gm) if fuse else gm)
-        from torch._inductor.compile_fx import compile_fx_inner
+            # nothing traces or differentiates the graph any more: the dispatcher's custom-op path would be overhead
+            return fused + [("plain_calls", functools.partial(rewrite.retarget_calls_pass, targets=PLAIN_CALLS))]
+        # a reduce where its gradient is produced would split fused kernels; inductor's reordering depends on shapes;
+        # our ops without the layers tracing needed are called past them from here on
+        return [("defer_reduces", rewrite.defer_reduces_pass), *fused,
+                ("chain_collectives", rewrite.chain_collectives_pass),
+                ("untraced_calls", functools.partial(rewrite.retarget_calls_pass, targets=UNTRACED_CALLS))]
+
+    def _finish(self, gm: GraphModule, example_inputs, *, is_backward: bool, is_inference: bool):
         # A reduce's parameter input is a handle: the runtime finds the parameter from its storage (``param_of``). A
         # parameter also read by eager code in the step (a tied weight a Python frame uses) holds its gathered data
         # from that read until backward ends, so the handle arrives with the gathered tensor's strides, not the
         # stand-in's it was traced with; inductor's input asserts would reject it. Nothing in the graph reads it.
         handles = is_backward and any(is_reduce(n) and n.args[3] is not None for n in gm.graph.nodes)
-        rewrite.defer_reduces_pass(gm)  # a reduce where its gradient is produced would split fused kernels
-        if fuse:
-            rewrite.fuse_matmul_reduces_pass(gm)
-        rewrite.chain_collectives_pass(gm)  # inductor may not reorder our collectives (shape-dependent rules)
-        for node in gm.graph.nodes:  # our ops without the layers tracing needed: called past them from here on
-            if node.op == "call_function" and node.target in UNTRACED_CALLS:
-                node.target = UNTRACED_CALLS[node.target]
-        gm.recompile()
+        gm = run_passes(gm, self._lowering(is_backward), self.stats.pass_times)
+        if self.backend == "eager":
+            return boxed_eager(gm)
+        from torch._inductor.compile_fx import compile_fx_inner
         # the user's inductor settings again: AOTAutograd compiles the backward at its first run, after compile_graph.
         # Never inductor's layout optimization: with a convolution in the graph it gives a 2-D convolution's weight (a
         # gathered parameter, or a ZeRO-1/2 parameter handed to a reduce) a channels-last copy that stands in for it
@@ -260,13 +268,9 @@ def boxed_eager(gm: GraphModule) -> Callable:
     """Run the graph with the boxed calling convention: the generated code takes the argument list, clears it,
     and drops each input after its last use. Without this a backward graph keeps every saved activation alive
     until it returns (``make_boxed_func`` holds the list), where eager autograd frees them as it goes.
-    Our ops are called as the plain functions behind them: nothing traces or differentiates this graph any more, so
-    the dispatcher's custom-op path (schema defaults, autograd wrapper, redispatch) would be pure overhead.
     The code runs in a frame of its own on the heap and calls ATen ops past their ``OpOverload`` wrappers
-    (:func:`heap_frame_function`)."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in PLAIN_CALLS:
-            node.target = PLAIN_CALLS[node.target]
+    (:func:`heap_frame_function`). Our ops are called as the graph names them: the plain functions behind them
+    once the eager lowering has run (``GraphCompiler._lowering``)."""
     gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())  # torch's own codegen for this convention
     gm.recompile()
     body = heap_frame_function(gm)

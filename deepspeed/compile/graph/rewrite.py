@@ -146,6 +146,15 @@ def _is_extern_kernel(node: Node) -> bool:
     return schema is not None and (schema.name in _EXTERN_KERNEL_OPS or schema.name.startswith(_EXTERN_KERNEL_PREFIXES))
 
 
+def retarget_calls_pass(gm: GraphModule, *, targets: Dict) -> GraphModule:
+    """Each call of an op in ``targets`` calls what it maps to instead (the same schema and function without the
+    layers tracing needs): the last pass before a backend runs the graph."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in targets:
+            node.target = targets[node.target]
+    return gm
+
+
 def defer_reduces_pass(gm: GraphModule) -> GraphModule:
     """For inductor: move each reduce down past the fusible code after its gradient, to just before the next op
     inductor calls as a kernel of its own (a matmul, attention, a convolution), the next gather or release, the

@@ -197,7 +197,7 @@ PLAIN_CALLS = {GATHER: run_gather, RELEASE: run_release, REDUCE: run_reduce, RED
 # filling, an aliasing check of the outputs, dynamo's disable), each in Python: several times the cost of a call
 # to the same function registered with ``torch.library.Library``, whose autograd and version-counter handling are
 # the dispatcher's C++ fallbacks (``python benchmarks/op_dispatch.py``; figures in docs/benchmarks.md); a ZeRO-3
-# step calls several hundred. The twins go into a graph only after our last pass (``GraphCompiler._finish``):
+# step calls several hundred. The twins go into a graph only in its last pass (``GraphCompiler._lowering``):
 # nothing traces or differentiates it after that, and inductor reads the same schema (mutated arguments included)
 # as from the op each replaces, so it orders and keeps them as it did those.
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")

@@ -17,7 +17,7 @@ PACKAGE = "deepspeed.compile"
 
 # bottom first; a module may import its own layer and the layers below it
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("base", ("", "config", "_deepspeed_compile_hook")),
+    ("base", ("", "config", "compat", "_deepspeed_compile_hook")),
     ("runtime", ("runtime", "native")),  # graph ops and their registry, the runtime behind them, the native op
     ("graph", ("graph", )),  # analysis vocabulary, tag and rewrite passes, the pass runner
     ("schedule", ("schedule", )),

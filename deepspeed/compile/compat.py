@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The torch and DeepSpeed releases this package is written and tested against, and the check that the running ones
+are among them, made when an engine turns DeepCompile on (``engine_state.activate_z3``/``activate_z12``).
+
+The package replaces or wraps attributes of objects it does not own (:data:`TARGETS`: a ZeRO optimizer's bucket
+reduction, a module's compiled call, dynamo's recompile-limit check) and calls others past their public API. Those
+are stable within a release line and not across them, so another release is refused with one message naming both
+versions and the supported ranges, before anything is changed, instead of failing deep inside a step. An attribute
+gone from a supported release is refused the same way, naming it. ``DEEPSPEED_COMPILE_ALLOW_VERSIONS=1`` turns the
+version refusal into a warning, to try another release at one's own risk; a missing attribute is always refused.
+
+``requirements/requirements.txt`` declares the same ranges for pip, and ``requirements/constraints.txt`` the exact
+releases the tests ran on.
+"""
+import importlib
+import inspect
+import logging
+import os
+from typing import Dict, List, Optional, Tuple
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+log = logging.getLogger(__name__)
+
+SUPPORTED: Dict[str, str] = {"torch": ">=2.13,<2.14", "deepspeed": ">=0.19.8,<0.20"}
+ALLOW_ENV = "DEEPSPEED_COMPILE_ALLOW_VERSIONS"
+
+# (module, class or None for the module itself, attributes): what the package rebinds or calls by name on objects it
+# does not own, each with the parameters it relies on (None: only that it exists)
+TARGETS: List[Tuple[str, Optional[str], Dict[str, Optional[Tuple[str, ...]]]]] = [
+    ("torch.nn", "Module", {"compile": None, "_compiled_call_impl": None}),
+    ("torch._dynamo.convert_frame", None, {"exceeds_recompile_limit": None}),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", {
+        "is_deepcompile_active": None, "is_deepcompile_enabled": None, "_set_deepcompile_active": ("active", ),
+        "_cast_inputs_half": ("inputs", ), "zero_prefetch_bucket_size": None, "zero_max_reuse_distance": None,
+        "zero_max_live_parameters": None, "zero_reduce_bucket_size": None}),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", {
+        "reduce_ipg_grads": ("comm_dtype", ), "setup_buckets": None, "process_gradients": ("param", "i"),
+        "reenter_backward_if_needed": None, "update_hook_state_and_maybe_run_epilogue": None,
+        "overlapping_partition_gradients_reduce_epilogue": None, "reduce_gradients": ("pipeline_parallel", )}),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", {
+        "independent_gradient_partition_epilogue": None}),
+]
+
+
+def version_problems(versions: Dict[str, str]) -> List[str]:
+    """``name version`` of each package in ``versions`` outside its supported range (pre-releases and local builds
+    of a supported release, ``2.13.0+cpu``, count as that release)."""
+    return [f"{name} {found} (supported: {SUPPORTED[name]})" for name, found in versions.items()
+            if not SpecifierSet(SUPPORTED[name], prereleases=True).contains(Version(Version(found).base_version))]
+
+
+def target_problems(targets=None) -> List[str]:
+    """Each target attribute that is missing, or that lacks a parameter the package passes to it."""
+    problems = []
+    for module_name, class_name, attributes in TARGETS if targets is None else targets:
+        try:
+            owner = importlib.import_module(module_name)
+            owner = getattr(owner, class_name) if class_name else owner
+        except (ImportError, AttributeError) as err:
+            problems.append(f"{module_name}.{class_name or ''} ({err})")
+            continue
+        for name, parameters in attributes.items():
+            where = f"{module_name}.{class_name + '.' if class_name else ''}{name}"
+            if not hasattr(owner, name):
+                problems.append(f"{where} is missing")
+            elif parameters:
+                have = inspect.signature(getattr(owner, name)).parameters
+                missing = [p for p in parameters if p not in have]
+                if missing:
+                    problems.append(f"{where} has no parameter {', '.join(missing)}")
+    return problems
+
+
+def check() -> None:
+    """Raise ``RuntimeError`` naming the versions (or the attributes) where this process runs a torch or DeepSpeed
+    the package was not written for."""
+    import deepspeed
+    import torch
+    found = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
+    problems = version_problems(found)
+    if problems:
+        message = (f"deepspeed-compile supports {', '.join(f'{n} {r}' for n, r in SUPPORTED.items())}; this process "
+                   f"runs {', '.join(problems)}. It rebinds and calls internals of both that change between "
+                   f"releases. Install a supported release, or set {ALLOW_ENV}=1 to try this one at your own risk")
+        if os.environ.get(ALLOW_ENV) != "1":
+            raise RuntimeError(message)
+        log.warning(message)
+    missing = target_problems()
+    if missing:
+        raise RuntimeError(f"deepspeed-compile: this torch {found['torch']} / deepspeed {found['deepspeed']} lacks "
+                           f"what the package rebinds or calls: {'; '.join(missing)}")

@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The releases the package is written for: checked at ``engine.compile()`` before anything changes, declared to pip
+as ranges (installing keeps a supported torch and DeepSpeed already there), and tested on exact releases."""
+import os
+import re
+
+import pytest
+
+from checkout import REPO_ROOT
+
+
+def test_the_running_releases_pass_the_check():
+    from deepspeed.compile import compat
+    assert compat.target_problems() == []
+    compat.check()
+
+
+def test_another_release_is_refused_naming_both_versions_before_the_engine_is_touched(monkeypatch):
+    """``activate_z3`` is handed no engine at all: the refusal comes first, so nothing was changed."""
+    import deepspeed
+    from deepspeed.compile import compat, engine_state
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    monkeypatch.delenv(compat.ALLOW_ENV, raising=False)
+    with pytest.raises(RuntimeError) as raised:
+        engine_state.activate_z3(None, "eager", None)
+    message = str(raised.value)
+    assert "deepspeed 0.20.1 (supported: >=0.19.8,<0.20)" in message and "torch >=2.13,<2.14" in message, message
+    assert compat.ALLOW_ENV in message
+    with pytest.raises(RuntimeError):
+        engine_state.activate_z12(None, "eager", None)
+
+
+def test_the_override_turns_the_refusal_into_a_warning(monkeypatch, caplog):
+    import torch
+    from deepspeed.compile import compat
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    monkeypatch.setenv(compat.ALLOW_ENV, "1")
+    with caplog.at_level("WARNING", logger=compat.log.name):
+        compat.check()
+    assert "torch 2.14.0 (supported: >=2.13,<2.14)" in caplog.text
+
+
+def test_local_builds_and_prereleases_of_a_supported_release_count_as_it():
+    from deepspeed.compile import compat
+    assert compat.version_problems({"torch": "2.13.0+cpu", "deepspeed": "0.19.8"}) == []
+    assert compat.version_problems({"torch": "2.13.1a0+git0123", "deepspeed": "0.19.9"}) == []
+    assert compat.version_problems({"torch": "2.12.1", "deepspeed": "0.19.7"}) == [
+        "torch 2.12.1 (supported: >=2.13,<2.14)", "deepspeed 0.19.7 (supported: >=0.19.8,<0.20)"]
+
+
+def test_a_rebound_attribute_gone_or_changed_is_named():
+    from deepspeed.compile import compat
+    targets = [("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer",
+                {"reduce_ipg_grads": ("comm_dtype", "a_parameter_it_never_had"), "a_method_it_never_had": None}),
+               ("torch.nn", "NoSuchClass", {"forward": None})]
+    problems = compat.target_problems(targets)
+    assert problems[0] == ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.reduce_ipg_grads has no "
+                           "parameter a_parameter_it_never_had"), problems
+    assert problems[1] == ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.a_method_it_never_had is "
+                           "missing"), problems
+    assert problems[2].startswith("torch.nn.NoSuchClass ("), problems
+    assert len(problems) == 3
+
+
+def _requirements(name: str) -> dict:
+    with open(os.path.join(REPO_ROOT, "requirements", name)) as f:
+        lines = [line.split("#")[0].strip() for line in f]
+    return dict(re.match(r"([A-Za-z0-9_.-]+)(.*)", line).groups() for line in lines if line and
+                not line.startswith("-"))
+
+
+def test_pip_gets_the_checked_ranges_and_the_tests_run_on_releases_inside_them():
+    from packaging.specifiers import SpecifierSet
+    from deepspeed.compile import compat
+    required, pinned = _requirements("requirements.txt"), _requirements("constraints.txt")
+    for name, supported in compat.SUPPORTED.items():
+        assert required[name] == supported, (name, required[name])  # a range, never an exact pin
+        assert pinned[name].startswith("==") and pinned[name][2:] in SpecifierSet(supported), (name, pinned[name])
