@@ -12,10 +12,7 @@ compiles for owns communication and buffers only.
 """
 import copy
 import functools
-import itertools
-import linecache
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -29,6 +26,7 @@ from torch.fx import GraphModule
 from ..config import CompileConfig
 from ..graph import rewrite
 from . import cache
+from .eager_code import boxed_eager
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, joint_primals, placeholders
 from ..runtime.ops import PLAIN_CALLS, UNTRACED_CALLS
 from ..graph.recompute import choose_kept_by_reuse, choose_kept_params, tag_param_aliases_pass
@@ -252,7 +250,7 @@ class GraphCompiler:
         handles = is_backward and any(is_reduce(n) and n.args[3] is not None for n in gm.graph.nodes)
         gm = run_passes(gm, self._lowering(is_backward), self.stats.pass_times)
         if self.backend == "eager":
-            return boxed_eager(gm)
+            return boxed_eager(gm, self.config.eager_graph_code)
         from torch._inductor.compile_fx import compile_fx_inner
         # the user's inductor settings again: AOTAutograd compiles the backward at its first run, after compile_graph.
         # Never inductor's layout optimization: with a convolution in the graph it gives a 2-D convolution's weight (a
@@ -262,78 +260,6 @@ class GraphCompiler:
                    **({"size_asserts": False} if handles else {})}
         with torch._inductor.config.patch(patches):
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
-
-
-def boxed_eager(gm: GraphModule) -> Callable:
-    """Run the graph with the boxed calling convention: the generated code takes the argument list, clears it,
-    and drops each input after its last use. Without this a backward graph keeps every saved activation alive
-    until it returns (``make_boxed_func`` holds the list), where eager autograd frees them as it goes.
-    The code runs in a frame of its own on the heap and calls ATen ops past their ``OpOverload`` wrappers
-    (:func:`heap_frame_function`). Our ops are called as the graph names them: the plain functions behind them
-    once the eager lowering has run (``GraphCompiler._lowering``)."""
-    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())  # torch's own codegen for this convention
-    gm.recompile()
-    body = heap_frame_function(gm)
-
-    def run(args: list):
-        frame = body(gm, args)
-        try:
-            next(frame)
-        except StopIteration as done:
-            return done.value
-        raise AssertionError("a graph's code yielded")
-
-    run._boxed_call = True
-    return run
-
-
-_graph_sources = itertools.count()
-
-
-def heap_frame_function(gm: GraphModule) -> Callable:
-    """The graph's generated ``forward``, made a generator function: called, it returns a generator whose one
-    ``next()`` runs the whole graph and raises ``StopIteration`` with its result.
-
-    Why: CPython (3.11 on) puts a plain call's frame on the thread's data stack, which grows in 16 KiB chunks mapped
-    and unmapped as calls need them. A graph's function has a local per node (over a thousand in the benchmark
-    Llama's backward), so where it leaves its chunk nearly full, every op it calls maps a fresh chunk and unmaps it
-    on return: a page fault and two system calls per op, depending only on how deep the stack happened to be
-    (docs/benchmarks.md, "The eager backend's graphs off CPython's data stack"). A generator's frame lives in the
-    generator object, so the graph's callees get the stack's room below it. Source lines stay in tracebacks
-    (registered with ``linecache``). Its ATen ops are called directly (:func:`_direct_op_calls`)."""
-    code = gm.graph.python_code(root_module="self")
-    lines = code.src.split("\n")
-    at = next(i for i, line in enumerate(lines) if line.startswith("def forward("))
-    lines.insert(at + 1, "    if False: yield  # a generator: its frame is kept in the generator object")
-    namespace = dict(code.globals)
-    source = _direct_op_calls("\n".join(lines), gm, namespace)
-    name = f"<deepspeed-compile graph {next(_graph_sources)}>"
-    linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
-    exec(compile(source, name, "exec"), namespace)
-    return namespace["forward"]
-
-
-def _direct_op_calls(source: str, gm: GraphModule, namespace: Dict[str, Any]) -> str:
-    """The graph's source with each ATen op called through the C++ function behind its ``OpOverload``
-    (``torch.ops.aten.mm.default(...)`` -> ``aten_mm_default(...)``, bound in ``namespace``): the same dispatcher
-    call, without four attribute lookups and ``OpOverload.__call__``'s Python frame, on every op of the graph (a
-    sizable part of what a small op costs from Python: ``benchmarks/op_dispatch.py`` measures it). Only plain
-    ``OpOverload``s: a subclass (TorchBind ops) decides in Python how to dispatch."""
-    ops = {n.target for n in gm.graph.nodes if n.op == "call_function" and type(n.target) is torch._ops.OpOverload}
-    scope = {}  # compiled once as it is (at compile time, not per call) for the names its code binds
-    exec(compile(source, "<graph>", "exec"), dict(namespace), scope)
-    taken = set(scope["forward"].__code__.co_varnames) | set(namespace)  # arguments, assigned variables, globals
-    aliases = {}  # FX's spelling of an op -> the global it is called through
-    for op in ops:
-        qualified = torch.fx.node._get_qualified_name(op)
-        alias = re.sub(r"\W", "_", qualified[len("torch.ops."):])
-        if qualified.startswith("torch.ops.") and alias not in taken:  # else left as FX wrote it
-            aliases[qualified], namespace[alias] = alias, op._op
-            taken.add(alias)  # two spellings with one alias (aten.a_b.c, aten.a.b_c): the second stays as it is
-    if not aliases:
-        return source
-    calls = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, aliases)) + r")\(")
-    return calls.sub(lambda call: aliases[call.group(1)] + "(", source)
 
 
 def collective_order(gm: GraphModule) -> List[Tuple[str, int]]:

@@ -2,8 +2,8 @@
 """Each of this module's own "compile" options against eager ZeRO-3 on the same data (2 gloo ranks, eager backend).
 
 fp32 options (none set, ``schedule: "traced"``, ``prefetch: 2``, ``partitioner: "default"``, ``regions: "blocks"``,
-``host_comm: "gloo"``) change where gathers, releases and saved tensors go, which graphs there are, or how collectives
-move between the ranks, never the arithmetic: losses, gradients
+``host_comm: "gloo"``, ``eager_graph_code: "fx"``) change where gathers, releases and saved tensors go, which graphs
+there are, how collectives move between the ranks or what code runs a graph, never the arithmetic: losses, gradients
 after every backward of the first 2 steps, parameters and buffers must be bitwise equal to eager ZeRO-3's.
 ``fused_cast: false`` only matters under autocast(bf16), where the compiled graph and eager ZeRO-3 round
 differently: the bounds of test_pipeline.py apply against eager ZeRO-3, and the unfused graph must be bitwise equal to the fused one (casting a shard before the
@@ -16,7 +16,7 @@ from distributed import run_distributed
 STEPS = 6
 FP32_OPTIONS = {"none": {}, "traced": {"schedule": "traced"}, "prefetch2": {"prefetch": 2},
                 "default_partitioner": {"partitioner": "default"}, "blocks": {"regions": "blocks"},
-                "gloo": {"host_comm": "gloo"}}
+                "gloo": {"host_comm": "gloo"}, "fx_code": {"eager_graph_code": "fx"}}
 
 
 def _options_against_eager():

@@ -382,7 +382,7 @@ def test_eager_backend_runs_a_graph_in_its_own_heap_frame():
     error inside it raised as it is, its traceback showing the graph's source line."""
     import inspect
     import traceback
-    from deepspeed.compile.capture.compiler import boxed_eager
+    from deepspeed.compile.capture.eager_code import boxed_eager
     x, y = torch.randn(3), torch.randn(3)
     run = boxed_eager(_graph_calling(_record_caller))
     args = [x, y]
@@ -396,12 +396,33 @@ def test_eager_backend_runs_a_graph_in_its_own_heap_frame():
     assert "deepspeed-compile graph" in text and "_fail(" in text, text
 
 
+def test_eager_graph_code_fx_runs_fx_code_as_it_is():
+    """``compile.eager_graph_code: "fx"``: FX's generated ``forward`` runs as it is (a plain frame, FX's own source in
+    tracebacks), boxed, with the same result as ``"direct"``; anything else is refused naming the option."""
+    import inspect
+    import traceback
+    from deepspeed.compile.capture.eager_code import boxed_eager
+    x, y = torch.randn(3), torch.randn(3)
+    _callers.clear()
+    run = boxed_eager(_graph_calling(_record_caller), "fx")
+    args = [x, y]
+    out = run(args)
+    assert args == [] and torch.equal(out[0], boxed_eager(_graph_calling(_record_caller))([x, y])[0])
+    assert not _callers[0] & inspect.CO_GENERATOR and _callers[1] & inspect.CO_GENERATOR, _callers
+    with pytest.raises(ValueError, match="raised inside the graph") as raised:
+        boxed_eager(_graph_calling(_fail), "fx")([x, y])
+    text = "".join(traceback.format_exception(raised.value))
+    assert "deepspeed-compile graph" not in text and "_fail(" in text, text
+    with pytest.raises(ValueError, match="compile.eager_graph_code"):
+        boxed_eager(_graph_calling(_fail), "plain")
+
+
 def test_eager_backend_calls_aten_ops_past_their_python_wrapper():
     """``heap_frame_function`` binds each ATen ``OpOverload`` of the graph to the C++ function behind it: the source
     calls ``aten_mul_Tensor(...)``, not ``torch.ops.aten.mul.Tensor(...)``, with the same result; an alias that a
     graph's own local would shadow is left as FX wrote it."""
     import linecache
-    from deepspeed.compile.capture.compiler import heap_frame_function
+    from deepspeed.compile.capture.eager_code import heap_frame_function
     x, y = torch.randn(3), torch.randn(3)
 
     def source(gm: GraphModule):
