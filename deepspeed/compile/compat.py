@@ -26,22 +26,39 @@ log = logging.getLogger(__name__)
 SUPPORTED: Dict[str, str] = {"torch": ">=2.13,<2.14", "deepspeed": ">=0.19.8,<0.20"}
 ALLOW_ENV = "DEEPSPEED_COMPILE_ALLOW_VERSIONS"
 
-# (module, class or None for the module itself, attributes): what the package rebinds or calls by name on objects it
-# does not own, each with the parameters it relies on (None: only that it exists)
-TARGETS: List[Tuple[str, Optional[str], Dict[str, Optional[Tuple[str, ...]]]]] = [
-    ("torch.nn", "Module", {"compile": None, "_compiled_call_impl": None}),
-    ("torch._dynamo.convert_frame", None, {"exceeds_recompile_limit": None}),
+# (module, class or None for the module itself, attributes, stages): what the package rebinds or calls by name on
+# objects it does not own at those ZeRO stages, each attribute with the parameters it relies on (None: only that it
+# exists). Attributes an object sets in its __init__ are checked on the object (:func:`require_attributes`).
+ALL, Z12, Z3 = (1, 2, 3), (1, 2), (3, )
+TARGETS: List[Tuple[str, Optional[str], Dict[str, Optional[Tuple[str, ...]]], Tuple[int, ...]]] = [
+    ("torch.nn", "Module", {"compile": None, "_compiled_call_impl": None}, ALL),
+    ("torch._dynamo.convert_frame", None, {"exceeds_recompile_limit": None}, ALL),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", {
         "is_deepcompile_active": None, "is_deepcompile_enabled": None, "_set_deepcompile_active": ("active", ),
         "_cast_inputs_half": ("inputs", ), "zero_prefetch_bucket_size": None, "zero_max_reuse_distance": None,
-        "zero_max_live_parameters": None, "zero_reduce_bucket_size": None}),
+        "zero_max_live_parameters": None, "zero_reduce_bucket_size": None, "zero_offload_param": None}, ALL),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", {
         "reduce_ipg_grads": ("comm_dtype", ), "setup_buckets": None, "process_gradients": ("param", "i"),
         "reenter_backward_if_needed": None, "update_hook_state_and_maybe_run_epilogue": None,
-        "overlapping_partition_gradients_reduce_epilogue": None, "reduce_gradients": ("pipeline_parallel", )}),
+        "overlapping_partition_gradients_reduce_epilogue": None, "reduce_gradients": ("pipeline_parallel", ),
+        "clear_grad_attribute": None, "copy_grads_in_partition": None, "get_param_comm_dtype": None, "set_gradient_accumulation_boundary": None,
+        "is_gradient_accumulation_boundary": None}, Z12),
+    # ZeRO-2's bucket reduction, left in flight (runtime/z12_reduce.py)
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", {
+        "_use_compact_grad_partition_buffer": ("group_idx", )}, (2, )),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", {
-        "independent_gradient_partition_epilogue": None}),
+        "independent_gradient_partition_epilogue": None, "partition_grads": None, "get_param_comm_dtype": None,
+        "create_reduce_and_remove_grad_hooks": None}, Z3),
 ]
+
+
+# what the ZeRO-1/2 runtime reads of the optimizer's state, set in its __init__ (runtime/z12.py, z12_reduce.py)
+ZERO12_OPTIMIZER_STATE = (
+    "_grad_acc_hooks", "bit16_groups", "dp_process_group", "reduce_bucket_size", "contiguous_gradients", "overlap_comm",
+    "ipg_buckets", "zenflow", "use_grad_accum_attribute", "_coalesce_grad_reduction", "extra_large_param_to_reduce",
+    "gradient_average", "sequence_parallel_size", "params_already_reduced", "param_to_partition_ids",
+    "grad_start_offset", "param_dict", "is_param_in_current_partition", "ready_for_gradients", "partition_gradients",
+    "reduce_scatter", "use_multi_rank_bucket_allreduce", "cpu_offload")
 
 
 def version_problems(versions: Dict[str, str]) -> List[str]:
@@ -51,10 +68,13 @@ def version_problems(versions: Dict[str, str]) -> List[str]:
             if not SpecifierSet(SUPPORTED[name], prereleases=True).contains(Version(Version(found).base_version))]
 
 
-def target_problems(targets=None) -> List[str]:
-    """Each target attribute that is missing, or that lacks a parameter the package passes to it."""
+def target_problems(stage: int = 3, targets=None) -> List[str]:
+    """Each target attribute of ZeRO stage ``stage`` that is missing, or that lacks a parameter the package passes
+    to it."""
     problems = []
-    for module_name, class_name, attributes in TARGETS if targets is None else targets:
+    for module_name, class_name, attributes, stages in TARGETS if targets is None else targets:
+        if stage not in stages:
+            continue
         try:
             owner = importlib.import_module(module_name)
             owner = getattr(owner, class_name) if class_name else owner
@@ -73,9 +93,9 @@ def target_problems(targets=None) -> List[str]:
     return problems
 
 
-def check() -> None:
+def check(stage: int) -> None:
     """Raise ``RuntimeError`` naming the versions (or the attributes) where this process runs a torch or DeepSpeed
-    the package was not written for."""
+    the package was not written for, at ZeRO stage ``stage``."""
     import deepspeed
     import torch
     found = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
@@ -87,7 +107,21 @@ def check() -> None:
         if os.environ.get(ALLOW_ENV) != "1":
             raise RuntimeError(message)
         log.warning(message)
-    missing = target_problems()
+    missing = target_problems(stage)
     if missing:
-        raise RuntimeError(f"deepspeed-compile: this torch {found['torch']} / deepspeed {found['deepspeed']} lacks "
-                           f"what the package rebinds or calls: {'; '.join(missing)}")
+        raise _lacks(missing)
+
+
+def _lacks(missing: List[str]) -> RuntimeError:
+    import deepspeed
+    import torch
+    return RuntimeError(f"deepspeed-compile: this torch {torch.__version__} / deepspeed {deepspeed.__version__} lacks "
+                        f"what the package rebinds or calls: {'; '.join(missing)}")
+
+
+def require_attributes(obj, names: Tuple[str, ...], what: str) -> None:
+    """The attributes ``obj`` (``what``: a DeepSpeed object that sets them in its ``__init__``) must have: raise
+    ``RuntimeError`` naming those it lacks, and the versions."""
+    missing = [f"{what}.{name} is missing" for name in names if not hasattr(obj, name)]
+    if missing:
+        raise _lacks(missing)

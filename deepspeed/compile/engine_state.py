@@ -307,7 +307,7 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
                 compile_kwargs: Optional[Dict[str, Any]] = None) -> Optional[Callable]:
     """Give a ZeRO-3 engine its DeepCompile state and return the dynamo backend that compiles its graphs (None:
     fall back to plain ``torch.compile``)."""
-    compat.check()  # a torch or DeepSpeed the package was not written for: refused before any change
+    compat.check(3)  # a torch or DeepSpeed the package was not written for: refused before any change
     if not _check_options(compile_config, backend, schedule, param_offload_device(engine)):
         return None
     inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
@@ -328,7 +328,7 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
                  compile_kwargs: Optional[Dict[str, Any]] = None) -> Optional[Callable]:
     """Give a ZeRO-1 or ZeRO-2 engine its DeepCompile state (gradients handed to ZeRO's optimizer from inside the
     compiled backward, ``runtime/z12.py``) and return the dynamo backend that compiles its graphs."""
-    compat.check()  # a torch or DeepSpeed the package was not written for: refused before any change
+    compat.check(stage)  # a torch or DeepSpeed the package was not written for: refused before any change
     if not _check_options(compile_config, backend, schedule):
         return None
     inductor_config = _compile_kwargs_settings(backend, compile_kwargs)

@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from . import registry
+from .. import compat
 from .agreement import Peers
 from .ops import gradient_wanted
 from .host_comm import DEFAULT_DIR, REDUCE_SLOT_BYTES, open_host_comm
@@ -53,6 +54,7 @@ class Z12Runtime(Peers):
 
     def __init__(self, engine, *, stage: int, timeout_s: float = 0.0, host_comm: str = "auto",
                  host_comm_dir: str = DEFAULT_DIR):
+        compat.require_attributes(engine.optimizer, compat.ZERO12_OPTIMIZER_STATE, "DeepSpeedZeroOptimizer")
         self.engine = engine
         self.optimizer = engine.optimizer
         self.group = self.optimizer.dp_process_group

@@ -11,8 +11,9 @@ from checkout import REPO_ROOT
 
 def test_the_running_releases_pass_the_check():
     from deepspeed.compile import compat
-    assert compat.target_problems() == []
-    compat.check()
+    assert compat.target_problems(3) == [] and compat.target_problems(2) == []
+    compat.check(3)
+    compat.check(1)
 
 
 def test_another_release_is_refused_naming_both_versions_before_the_engine_is_touched(monkeypatch):
@@ -36,7 +37,7 @@ def test_the_override_turns_the_refusal_into_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(torch, "__version__", "2.14.0")
     monkeypatch.setenv(compat.ALLOW_ENV, "1")
     with caplog.at_level("WARNING", logger=compat.log.name):
-        compat.check()
+        compat.check(3)
     assert "torch 2.14.0 (supported: >=2.13,<2.14)" in caplog.text
 
 
@@ -51,15 +52,27 @@ def test_local_builds_and_prereleases_of_a_supported_release_count_as_it():
 def test_a_rebound_attribute_gone_or_changed_is_named():
     from deepspeed.compile import compat
     targets = [("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer",
-                {"reduce_ipg_grads": ("comm_dtype", "a_parameter_it_never_had"), "a_method_it_never_had": None}),
-               ("torch.nn", "NoSuchClass", {"forward": None})]
-    problems = compat.target_problems(targets)
+                {"reduce_ipg_grads": ("comm_dtype", "a_parameter_it_never_had"), "a_method_it_never_had": None}, (2, )),
+               ("torch.nn", "NoSuchClass", {"forward": None}, (2, 3)),
+               ("torch.nn", "NoSuchClassAtZeRO3", {"forward": None}, (3, ))]  # another stage's: not looked at
+    problems = compat.target_problems(2, targets)
     assert problems[0] == ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.reduce_ipg_grads has no "
                            "parameter a_parameter_it_never_had"), problems
     assert problems[1] == ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.a_method_it_never_had is "
                            "missing"), problems
     assert problems[2].startswith("torch.nn.NoSuchClass ("), problems
     assert len(problems) == 3
+
+
+def test_state_a_deepspeed_object_sets_in_its_init_is_checked_on_the_object():
+    """DeepSpeed 0.19.7's ZeRO-1/2 optimizer had no ``_use_compact_grad_partition_buffer``: a ZeRO-1/2 step failed
+    with an AttributeError (``scripts/try_deepspeed.sh 0.19.7``). Such attributes are named at activation."""
+    from types import SimpleNamespace
+    from deepspeed.compile import compat
+    with pytest.raises(RuntimeError, match=r"lacks what the package rebinds or calls: DeepSpeedZeroOptimizer\.ipg_"
+                                           r"buckets is missing; DeepSpeedZeroOptimizer\.zenflow is missing$"):
+        compat.require_attributes(SimpleNamespace(bit16_groups=[]), ("bit16_groups", "ipg_buckets", "zenflow"),
+                                  "DeepSpeedZeroOptimizer")
 
 
 def _requirements(name: str) -> dict:
