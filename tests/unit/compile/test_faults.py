@@ -98,31 +98,33 @@ def test_a_peer_that_exits_mid_training_makes_the_survivor_raise_within_seconds(
         assert "rank 1 exited" in r["message"], r
 
 
-def _rank_compile_fails_on_rank_1(host_comm: str, agree: bool, stage: int = 3) -> dict:
-    """Rank 1's forward compile fails (an injected error); rank 0's succeeds. Both must stop in that step, rank 0
-    naming rank 1 and the cause, and both then train as eager ZeRO-3."""
+def _compile_fails_on_rank_1(direction: str, host_comm: str, stage: int, section: dict, zero: dict) -> dict:
+    """Rank 1's compile of its first ``direction`` graph fails (an injected error; a backward is compiled by
+    AOTAutograd lazily, inside the first ``backward()``), rank 0's succeeds. Both must stop in that step, rank 0
+    naming rank 1 and the cause, and both then train as eager ZeRO."""
     from deepspeed.compile.capture import compiler
     from models import ds_config, make_batch
     from training import make_engine, train
     rank = torch.distributed.get_rank()
-    eager = make_engine("gpt", ds_config(stage))
+    eager = make_engine("gpt", ds_config(stage, zero_overrides=zero))
     eager_losses = train(eager, "gpt", 2, first_step=1)  # the failed step is skipped
     eager.destroy()
     if rank == 1:
         def broken(self, gm, example_inputs):
-            raise RuntimeError("an injected compile failure")
-        compiler.GraphCompiler._compile_forward = broken
-    engine = make_engine("gpt", ds_config(stage, {"deepcompile": True, "host_comm": host_comm,
-                                                  "agree_on_failures": agree}))
+            raise RuntimeError(f"an injected {direction} compile failure")
+        setattr(compiler.GraphCompiler, f"_compile_{direction}", broken)
+    engine = make_engine("gpt", ds_config(stage, {"deepcompile": True, "host_comm": host_comm, **section},
+                                          zero_overrides=zero))
     engine.compile(backend="eager")
+    t0 = time.monotonic()
     try:
-        _step(engine, make_batch("gpt", 0, rank))  # ZeRO-3 stops in the forward, ZeRO-1/2 in the backward
+        _step(engine, make_batch("gpt", 0, rank))  # ZeRO-3 stops in its forward graph, ZeRO-1/2 in the backward
         raised = None
     except Exception as err:
         raised = f"{type(err).__name__}: {err}"
-    active = engine.is_deepcompile_active()
-    return {"rank": rank, "raised": raised, "active": active, "losses": train(engine, "gpt", 2, first_step=1),
-            "eager_losses": eager_losses, "host_comm": engine._deepspeed_compile.runtime.host_comm}
+    return {"raised": raised, "seconds": time.monotonic() - t0, "active": engine.is_deepcompile_active(),
+            "losses": train(engine, "gpt", 2, first_step=1), "eager_losses": eager_losses,
+            "host_comm": engine._deepspeed_compile.runtime.host_comm}
 
 
 @pytest.mark.parametrize("host_comm, agree, stage", [("shm", False, 3), ("shm", True, 3), ("gloo", True, 3),
@@ -132,45 +134,11 @@ def test_one_ranks_compile_failure_stops_every_rank_then_all_run_eager_zero_toge
     default) the ranks agree before the graph's first collective, on either transport. At ZeRO-1/2 that is before the
     first gradient the peers' backward accumulates (the failing rank waits there through their forward), and the
     abandoned backward leaves no gradient behind: the next steps are eager ZeRO's."""
-    results = run_distributed(_rank_compile_fails_on_rank_1, host_comm, agree, stage, timeout_s=150)
-    for r in results:
-        assert r["host_comm"] == host_comm, r
-        assert r["raised"] is not None, r
-        assert not r["active"], r  # every rank fell back, in the same step
-        assert r["losses"] == r["eager_losses"], r  # and trains as eager ZeRO-3 from there, on every rank alike
-    assert "an injected compile failure" in results[1]["raised"], results[1]
-    assert "rank 1 failed: compiling a graph failed (RuntimeError: an injected compile failure)" in \
-        results[0]["raised"], results[0]
-
-
-def _rank_backward_compile_fails_on_rank_1(host_comm: str, reuse_distance: int, stage: int = 3) -> dict:
-    """Rank 1's backward compile (AOTAutograd's, lazy, inside the first ``backward()``) fails; rank 0's succeeds and
-    its backward starts gathering or reducing. Both must stop in that backward, rank 0 naming rank 1 and the cause."""
-    from deepspeed.compile.capture import compiler
-    from models import ds_config, make_batch
-    from training import make_engine, train
-    rank = torch.distributed.get_rank()
-    eager = make_engine("gpt", ds_config(stage))
-    eager_losses = train(eager, "gpt", 2, first_step=1)  # the failed step is skipped
-    eager.destroy()
-    if rank == 1:
-        def broken(self, gm, example_inputs):
-            raise RuntimeError("an injected backward compile failure")
-        compiler.GraphCompiler._compile_backward = broken
-    engine = make_engine("gpt", ds_config(stage, {"deepcompile": True, "host_comm": host_comm},
-                                          zero_overrides={"stage3_max_reuse_distance": reuse_distance}))
-    engine.compile(backend="eager")
-    loss = engine(*make_batch("gpt", 0, rank))
-    t0 = time.monotonic()
-    try:
-        engine.backward(loss)
-        raised = None
-    except Exception as err:
-        raised = f"{type(err).__name__}: {err}"
-    seconds = time.monotonic() - t0
-    return {"raised": raised, "seconds": seconds, "active": engine.is_deepcompile_active(),
-            "losses": train(engine, "gpt", 2, first_step=1), "eager_losses": eager_losses,
-            "host_comm": engine._deepspeed_compile.runtime.host_comm}
+    results = run_distributed(_compile_fails_on_rank_1, "forward", host_comm, stage, {"agree_on_failures": agree}, {},
+                              timeout_s=150)
+    _check_stopped_together(results, host_comm, "RuntimeError: an injected forward compile failure",
+                            "rank 1 failed: compiling a graph failed (RuntimeError: an injected forward compile "
+                            "failure)")
 
 
 @pytest.mark.parametrize("host_comm, reuse_distance, stage", [("shm", 0, 3), ("gloo", 0, 3), ("gloo", 10**9, 3),
@@ -181,7 +149,8 @@ def test_one_ranks_backward_compile_failure_stops_every_rank_in_that_backward(ho
     (``agree_on_failures``, on by default), on either transport. Its first collective is a gather where nothing was
     kept from forward (reuse distance 0), a reduce where everything was (DeepSpeed's default reuse distance); at
     ZeRO-2 the first gradient handed to ZeRO."""
-    results = run_distributed(_rank_backward_compile_fails_on_rank_1, host_comm, reuse_distance, stage, timeout_s=150)
+    results = run_distributed(_compile_fails_on_rank_1, "backward", host_comm, stage, {},
+                              {"stage3_max_reuse_distance": reuse_distance}, timeout_s=150)
     _check_stopped_together(results, host_comm, "RuntimeError: deepspeed-compile: compiling a backward graph failed "
                             "(RuntimeError: an injected backward compile failure)",
                             "StepAbandoned: deepspeed-compile: rank 1 failed: compiling a graph failed (RuntimeError: "
