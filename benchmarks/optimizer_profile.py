@@ -5,7 +5,8 @@
         --row ours-mincut --model gpt2 --size 355m [--zero-settings defaults] [--steps 4] [--lines 30]
 
 Builds the row as ``worker.py`` does (same model, config and batches), runs ``--steps`` steps printing each phase's
-seconds, and profiles the last step's ``engine.step()``: the functions by cumulative time. One row per launch, so a
+seconds (the optimizer's with the process's CPU time, page faults and context switches in it), and profiles the last
+step's ``engine.step()``: the functions by cumulative time. One row per launch, so a
 355M model fits in memory; run it for ``zero3`` too and compare.
 """
 import argparse
@@ -13,6 +14,7 @@ import cProfile
 import io
 import os
 import pstats
+import resource
 import sys
 import time
 
@@ -52,12 +54,17 @@ def main() -> None:
         last = step == args.steps - 1
         if last:
             profile.enable()
+        before, cpu = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
         optimizer_step()
+        after, cpu = resource.getrusage(resource.RUSAGE_SELF), time.process_time() - cpu
         if last:
             profile.disable()
         if rank == 0:
             print(f"step {step}: forward {t1 - t0:.2f} s, backward {t2 - t1:.2f} s, optimizer "
-                  f"{time.perf_counter() - t2:.2f} s", flush=True)
+                  f"{time.perf_counter() - t2:.2f} s (CPU {cpu:.2f} s, page faults {after.ru_minflt - before.ru_minflt}"
+                  f" minor {after.ru_majflt - before.ru_majflt} major, context switches "
+                  f"{after.ru_nvcsw - before.ru_nvcsw} voluntary {after.ru_nivcsw - before.ru_nivcsw} involuntary)",
+                  flush=True)
     if rank == 0:
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(args.lines)
