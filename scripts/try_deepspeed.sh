@@ -23,6 +23,7 @@ DS_BUILD_OPS=0 python -m pip install -q -r "$venv/requirements.txt" -c "$venv/co
 python -m pip install -q . --no-deps || exit 1
 python -c "import deepspeed; print('deepspeed', deepspeed.__version__)"
 export DS_ACCELERATOR=cpu DEEPSPEED_COMPILE_ALLOW_VERSIONS=1 TORCH_EXTENSIONS_DIR="$PWD/$venv/torch_extensions"
-python -c "from deepspeed.compile import compat; print('missing or changed:', {stage: compat.target_problems(stage) for stage in (1, 2, 3)})"
+python -c "from deepspeed.compile import compat
+print('missing or changed, by ZeRO stage:', {stage: compat.target_problems(stage) for stage in (1, 2, 3)})"
 python -m pytest -q -p no:cacheprovider tests/unit/compile/test_compat.py tests/unit/compile/test_foundation.py \
     tests/unit/compile/test_zero12.py -k "running_releases or trains or zero1_and_zero2 or bitwise" "$@"

@@ -41,8 +41,8 @@ TARGETS: List[Tuple[str, Optional[str], Dict[str, Optional[Tuple[str, ...]]], Tu
         "reduce_ipg_grads": ("comm_dtype", ), "setup_buckets": None, "process_gradients": ("param", "i"),
         "reenter_backward_if_needed": None, "update_hook_state_and_maybe_run_epilogue": None,
         "overlapping_partition_gradients_reduce_epilogue": None, "reduce_gradients": ("pipeline_parallel", ),
-        "clear_grad_attribute": None, "copy_grads_in_partition": None, "get_param_comm_dtype": None, "set_gradient_accumulation_boundary": None,
-        "is_gradient_accumulation_boundary": None}, Z12),
+        "clear_grad_attribute": None, "copy_grads_in_partition": None, "get_param_comm_dtype": None,
+        "set_gradient_accumulation_boundary": None, "is_gradient_accumulation_boundary": None}, Z12),
     # ZeRO-2's bucket reduction, left in flight (runtime/z12_reduce.py)
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", {
         "_use_compact_grad_partition_buffer": ("group_idx", )}, (2, )),

@@ -94,11 +94,12 @@ class CompileConfig(DeepSpeedConfigModel):
     set-up saying why not. ``"gloo"``: always the process group (``docs/design.md``, "Collectives through shared
     memory")."""
     agree_on_failures: bool = True
-    """ZeRO-3 on gloo: before each compiled graph's first collective the ranks agree, in a small all-reduce, that
-    each runs its graph, so that one rank's compile failure or recompile limit stops every rank in the same step with
-    an error naming the rank and the cause, on either transport, and all go on as eager ZeRO-3
-    (``runtime/agreement.py``). False: a compile failure is posted through shared memory only, and through the process
-    group, or for a recompile limit, the ranks may go on different paths."""
+    """On gloo, at any ZeRO stage: before each compiled graph's first collective (ZeRO-1/2: before its backward's
+    first gradient is accumulated) the ranks agree, in a small all-reduce, that each runs its graph, so that one
+    rank's compile failure or recompile limit stops every rank in the same step with an error naming the rank and the
+    cause, on either transport, and all go on as eager ZeRO (``runtime/agreement.py``). False: a compile failure is
+    posted through shared memory only, and through the process group, or for a recompile limit, the ranks may go on
+    different paths."""
     host_comm_dir: str = "/dev/shm"
     """Where ``host_comm`` creates its segments (one file a rank, unlinked once every rank has mapped every segment):
     a directory on a memory-backed file system (tmpfs) that every rank of the host sees as the same directory. Where
