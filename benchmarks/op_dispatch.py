@@ -3,7 +3,7 @@
 ``custom_op`` each pass sees against its ``dsc::run_*`` twin (``runtime/ops.py``), with the runtime's work taken out.
 And what a small ATen op costs from the eager backend's graph code: through its ``OpOverload``, as FX writes it
 (``torch.ops.aten.add.Tensor(...)``), against the C++ function behind it, as the eager backend calls it
-(``capture/eager_code.direct_op_calls``).
+(``driver/eager_code.direct_op_calls``).
 
     python benchmarks/op_dispatch.py [--calls 20000]
 

@@ -17,7 +17,7 @@ median of the per-batch ratios to the first row is printed with a 95% interval (
 rows share the machine's state from one moment to the next, so a ratio of a few percent can be seen here, where
 separate launches differ by 10-25%. ``--op-calls`` (one value per row) compiles a row's eager-backend graphs calling
 ATen ops through their ``OpOverload``, as FX writes them, instead of the C++ functions behind them (``direct``, what
-DeepCompile does: ``capture/eager_code.direct_op_calls``): the same configuration twice shows what that costs.
+DeepCompile does: ``driver/eager_code.direct_op_calls``): the same configuration twice shows what that costs.
 ``--section`` overrides keys of a DeepCompile row's ``"compile"`` section, ``--zero`` keys of a DeepSpeed row's
 ``"zero_optimization"`` section: a JSON object for every row, or a list of them, one per row. ``--aten-profile``
 instead runs each timed backward (``--aten-profile forward``: forward) under ``torch.profiler`` and prints its ops
@@ -150,7 +150,7 @@ def summarize_timeline(steps: List[List[Tuple[float, float]]]) -> Tuple[List[Tup
 def graph_op_calls(calls: str):
     """``overload``: eager-backend graphs compiled inside call ATen ops as FX writes them
     (``torch.ops.aten.mm.default(...)``); ``direct``: as DeepCompile calls them."""
-    from deepspeed.compile.capture import eager_code
+    from deepspeed.compile.driver import eager_code
     direct = eager_code.direct_op_calls
     if calls == "overload":
         eager_code.direct_op_calls = lambda source, gm, namespace: source

@@ -47,7 +47,7 @@ ROW_SECTIONS = {
     "ours-mincut-gloo": {"host_comm": "gloo"},  # the process group as the transport, where the default is shm
     "ours-mincut+keep": {"keep_gathered_bytes": "prefetch"},  # about what backward's first run would gather again
     "ours-regather": {"keep_gathered_bytes": 0},  # whatever stage3_max_reuse_distance says
-    "ours-blocks": {"regions": "blocks"},  # one compiled graph serves every block (capture/regions.py)
+    "ours-blocks": {"regions": "blocks"},  # one compiled graph serves every block (driver/regions.py)
     "ours-zero2-default": {"partitioner": "default"},  # ZeRO-2 with AOTAutograd's default partition
 }
 DTYPES = ("fp32", "bf16", "autocast")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engine adapter (stock ``engine.py`` imports it by name): the stock pass registry and the compile-time view.
+"""Entry point (stock ``engine.py`` imports it by name): the stock pass registry and the compile-time view.
 
 The engine registers its stock pass names at start-up and reads ``opt_passes`` to resolve a schedule. This
 module's pipeline is fixed (``engine_state.activate_z3`` builds the dynamo backend per engine), so the registry

@@ -21,24 +21,26 @@ from typing import Dict, List, Optional, Tuple
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from .adapters import ADAPTERS, ALL, Z12, Z3
+
 log = logging.getLogger(__name__)
 
 SUPPORTED: Dict[str, str] = {"torch": ">=2.13,<2.14", "deepspeed": ">=0.19.8,<0.20"}
 ALLOW_ENV = "DEEPSPEED_COMPILE_ALLOW_VERSIONS"
 
-# (module, class or None for the module itself, attributes, stages): what the package rebinds or calls by name on
-# objects it does not own at those ZeRO stages, each attribute with the parameters it relies on (None: only that it
-# exists). Attributes an object sets in its __init__ are checked on the object (:func:`require_attributes`).
-ALL, Z12, Z3 = (1, 2, 3), (1, 2), (3, )
+# (module, class or None for the module itself, attributes, stages): what the package rebinds (its adapters'
+# TARGETs, adapters.py) or calls by name on objects it does not own at those ZeRO stages, each attribute with the
+# parameters it relies on (None: only that it exists). Attributes an object sets in its __init__ are checked on the
+# object (:func:`require_attributes`).
 TARGETS: List[Tuple[str, Optional[str], Dict[str, Optional[Tuple[str, ...]]], Tuple[int, ...]]] = [
-    ("torch.nn", "Module", {"compile": None, "_compiled_call_impl": None}, ALL),
+    *(adapter.TARGET for adapter in ADAPTERS),
     ("torch._dynamo.convert_frame", None, {"exceeds_recompile_limit": None}, ALL),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", {
         "is_deepcompile_active": None, "is_deepcompile_enabled": None, "_set_deepcompile_active": ("active", ),
         "_cast_inputs_half": ("inputs", ), "zero_prefetch_bucket_size": None, "zero_max_reuse_distance": None,
         "zero_max_live_parameters": None, "zero_reduce_bucket_size": None, "zero_offload_param": None}, ALL),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", {
-        "reduce_ipg_grads": ("comm_dtype", ), "setup_buckets": None, "process_gradients": ("param", "i"),
+        "process_gradients": ("param", "i"),
         "reenter_backward_if_needed": None, "update_hook_state_and_maybe_run_epilogue": None,
         "overlapping_partition_gradients_reduce_epilogue": None, "reduce_gradients": ("pipeline_parallel", ),
         "clear_grad_attribute": None, "copy_grads_in_partition": None, "get_param_comm_dtype": None,

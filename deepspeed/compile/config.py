@@ -76,11 +76,11 @@ class CompileConfig(DeepSpeedConfigModel):
     two or more modules of one class: a transformer's layers) is compiled as a graph of its own, and the graph
     compiled for the first block serves every block: the backend compiles one block instead of the whole model
     (inductor's first step takes a fraction of the time), at the price of a blocking gather at the start of each
-    block's forward and backward (``capture/regions.py``)."""
+    block's forward and backward (``driver/regions.py``)."""
     eager_graph_code: Literal["direct", "fx"] = "direct"
     """With ``backend="eager"``: the code a final graph runs as. ``"direct"``: FX's generated code made a generator
     (its frame on the heap, not CPython's data stack) calling each ATen op through the C++ function behind its
-    ``OpOverload`` (``capture/eager_code.py``). ``"fx"``: FX's generated code as it is, for comparison or where the
+    ``OpOverload`` (``driver/eager_code.py``). ``"fx"``: FX's generated code as it is, for comparison or where the
     rewrite is in doubt. Bitwise the same results."""
     aot_cache: bool = True
     """With ``backend="inductor"``: let torch's AOTAutograd cache (``torch._functorch.config.enable_autograd_cache``,

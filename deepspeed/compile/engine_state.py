@@ -2,15 +2,14 @@
 """The engine's DeepCompile state: one :class:`DeepCompileState` per engine, and the only code that creates it,
 runs a forward in it, and ends it.
 
-Stock DeepSpeed reaches this module only through thin adapters, files that exist because its ``engine.py``
+Stock DeepSpeed reaches this module only through thin entry points, files that exist because its ``engine.py``
 imports them by name (``docs/design.md`` lists them): ``init_z3`` -> :func:`activate_z3`; ``init_z1_and_2`` ->
 :func:`activate_z12`; ``init_sp``, ``init_tp`` -> :func:`fall_back`; ``z3_eager_fallback`` ->
 :func:`forward_context`; ``backend`` -> :class:`PassTimes`. ``report.py`` reads the state for users. Importing this
 module must stay cheap (stock DeepSpeed imports it at ``import deepspeed``): the runtime and compiler are imported
 when an engine activates. The forward context also adopts Accelerate's regional compilation
-(:func:`_adopt_regional_compile`).
+(``integrations/accelerate.py``).
 """
-import sys
 import weakref
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -19,12 +18,13 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NoReturn,
 
 from deepspeed.utils import logger
 
-from . import compat
-from .capture import ds_checkpointing
+from . import compat, effects
+from .adapters import ModuleCompile
+from .integrations import accelerate, ds_checkpointing, transformers
 from .config import CompileConfig, unimplemented_options
 
 if TYPE_CHECKING:
-    from .capture.compiler import CompileStats
+    from .driver.compiler import CompileStats
     from .runtime.z12 import Z12Runtime
     from .runtime.z3 import Z3Runtime
 
@@ -171,17 +171,17 @@ def _warn_zeropp(engine) -> None:
 
 def _check_regions(engine, compile_config: CompileConfig) -> None:
     if compile_config.regions == "blocks":
-        from .capture import regions
+        from .driver import regions
         regions.check(engine.module)
 
 
 def _activate(engine, runtime, stage: int, backend: str, compile_config: CompileConfig,
               inductor_config: Dict[str, Any], compile_kwargs: Optional[Dict[str, Any]]) -> Callable:
-    from .capture import recompile_limit
-    from .capture.compiler import CompileStats, make_backend
+    from .driver.compiler import CompileStats, make_backend
+    from .driver.stages import graphs_of
     from .runtime.agreement import FAILED, StepAbandoned
     state = DeepCompileState(runtime, CompileStats(), stage)
-    runtime.agree_on_failures = compile_config.agree_on_failures
+    runtime.peers.agree_on_failures = compile_config.agree_on_failures
     setattr(engine, ATTR, state)
     _LIVE.add(state)
     if engine.fp16_auto_cast():
@@ -197,10 +197,10 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
             # the peers must not go on with their graphs either, or the ranks' collectives differ: where the ranks
             # agree before a graph's first collective, this takes the place of the graph's agreement and they stop
             # there; else their next wait on shared memory raises naming this rank (HostComm.on_diverged)
-            if in_place_of_a_graph and runtime.agrees_now():
-                runtime.agree(FAILED, cause)
+            if in_place_of_a_graph and runtime.peers.agrees_now():
+                runtime.peers.agree(FAILED, cause)
             else:
-                runtime.post_failure(f"{cause}; it runs uncompiled eager ZeRO-{stage} from the next step on")
+                runtime.peers.post_failure(f"{cause}; it runs uncompiled eager ZeRO-{stage} from the next step on")
         finally:
             deactivate(engine, uncompile=True)
 
@@ -211,13 +211,13 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         raise StepAbandoned(f"deepspeed-compile: {why}. Every rank stops this step (skip its engine.backward() and "
                             f"engine.step()) and runs uncompiled eager ZeRO-{stage} from the next step on")
 
-    state.on_stopped = runtime.on_stopped = on_stopped
-    if runtime.host is not None:
-        runtime.host.on_diverged = lambda why: deactivate(engine, uncompile=True)
+    state.on_stopped = runtime.peers.on_stopped = on_stopped
+    if runtime.transport.host is not None:
+        runtime.transport.host.on_diverged = lambda why: deactivate(engine, uncompile=True)
     # the engine calls this when DeepCompile is switched off and at destroy: the runtime's segments go then
     engine._deepcompile_dynamo_config_restore = runtime.close
     if compile_config.agree_on_failures:  # dynamo's check wrapped only where it is used
-        recompile_limit.install(_agree_on_recompile_limit)
+        effects.watch_recompile_limit(_agree_on_recompile_limit)
 
     compile_graph = make_backend(runtime, state.stats, compile_config, backend, on_failure, inductor_config)
     ds_checkpointing.install()
@@ -230,9 +230,12 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
     blocks = compile_config.regions == "blocks"
     _prepare_module_compile(engine, wrap_direct_calls=True, drop_fullgraph=blocks)
     if blocks:
-        from .capture import regions
+        from .driver import regions
+        warning = transformers.kv_cache_warning(engine.module)
+        if warning is not None:
+            logger.warning(f"deepspeed-compile: {warning}")
         compile_kwargs = compile_kwargs or {}
-        regions.install(engine.module, compile_graph, stage,
+        regions.install(engine.module, compile_graph, graphs_of(runtime).leaf_regions,
                         {key: compile_kwargs[key] for key in ("fullgraph", "dynamic") if key in compile_kwargs})
     return compile_graph
 
@@ -245,11 +248,9 @@ def _agree_on_recompile_limit(cause: str) -> None:
     from .runtime.agreement import LIMIT
     for state in list(_LIVE):
         runtime = state.runtime
-        # (ZeRO-1/2: a frame run as Python hands its gradients to ZeRO through the runtime as a graph does, in the
-        # same buckets: the ranks' collectives stay the same)
-        if runtime.stage == 3 and runtime.forward_running and runtime.engine.is_deepcompile_active() and \
-                runtime.agrees_now():
-            outcome = runtime.agree(LIMIT, cause)
+        if runtime.agrees_at_recompile_limit and runtime.forward_running and runtime.engine.is_deepcompile_active() \
+                and runtime.peers.agrees_now():
+            outcome = runtime.peers.agree(LIMIT, cause)
             if not outcome.all(LIMIT):
                 state.on_stopped(outcome)
             logger.warning(f"deepspeed-compile: every rank reached {cause}: they all run that frame uncompiled")
@@ -274,21 +275,21 @@ def _prepare_module_compile(engine, wrap_direct_calls: bool, drop_fullgraph: boo
         return
 
     def compile_adjusted(*args, **kwargs) -> None:
-        del module.compile
+        ModuleCompile.unshadow_compile(module)
         if drop_fullgraph:
             kwargs.pop("fullgraph", None)
         module.compile(*args, **kwargs)
         if not wrap_direct_calls:
             return
-        compiled_call = module._compiled_call_impl
+        compiled_call = ModuleCompile.compiled_call(module)
 
         def call(*call_args, **call_kwargs):
             with direct_call_context(engine):
                 return compiled_call(*call_args, **call_kwargs)
 
-        module._compiled_call_impl = call
+        ModuleCompile.set_compiled_call(module, call)
 
-    module.compile = compile_adjusted
+    ModuleCompile.shadow_compile(module, compile_adjusted)
 
 
 @contextmanager
@@ -314,7 +315,7 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
     _check_regions(engine, compile_config)
     _warn_zeropp(engine)
     # imported here: these register the graph ops, which `import deepspeed` must not pay for
-    from .capture import eager_hooks
+    from .driver import eager_hooks
     from .runtime.z3 import Z3Runtime
     runtime = Z3Runtime(engine, timeout_s=compile_config.collective_timeout_s, free_on_release=backend == "eager",
                         native_op=compile_config.native_op,
@@ -347,65 +348,16 @@ def deactivate(engine, uncompile: bool = False) -> None:
     state = state_of(engine, active_only=False)
     if state is not None:
         state.runtime.detach()
-    if state is None or state.stage == 3:
-        from .capture import eager_hooks
-        eager_hooks.switch_on(engine)
+    from .driver import eager_hooks
+    eager_hooks.switch_on(engine)  # ZeRO-3's module hooks back, where activating switched them off
     if engine.is_deepcompile_active():
         engine._set_deepcompile_active(False)
     if uncompile:
-        from .capture import regions
+        from .driver import regions
         regions.uninstall(engine.module)
         # nn.Module.compile() keeps its wrapper here; the engine records compilation in _is_compiled
-        engine.module._compiled_call_impl = None
+        ModuleCompile.set_compiled_call(engine.module, None)
         engine._is_compiled = False
-
-
-_REGIONS_LOOKED_AT = "_dsc_regions_looked_at"  # the engine attribute: in-place compiles were looked for once
-
-
-def _accelerate_dynamo_plugin():
-    """Accelerate's ``TorchDynamoPlugin`` of this process, if Accelerate is in use and set one up (never imports or
-    initializes Accelerate itself)."""
-    state = sys.modules.get("accelerate.state")
-    if state is None or not state.is_initialized():
-        return None
-    return getattr(state.AcceleratorState(), "dynamo_plugin", None)  # the shared state Accelerator set up
-
-
-def _adopt_regional_compile(engine) -> bool:
-    """Accelerate's regional compilation (``use_regional_compilation``) does not call ``engine.compile()``: it
-    compiles each repeated block of ``engine.module`` in place (``nn.Module.compile``), so ``"deepcompile": true`` did
-    nothing. At such an engine's first forward its in-place compiles are undone and the engine is compiled with
-    DeepCompile block by block (``"regions": "blocks"``), with the backend and settings Accelerate compiled the blocks
-    with. Modules compiled in place by other code only get a warning: their backend is not known. Returns whether the
-    engine runs DeepCompile now."""
-    if getattr(engine, _REGIONS_LOOKED_AT, False) or engine.is_compiled or not engine.is_deepcompile_enabled():
-        return False
-    setattr(engine, _REGIONS_LOOKED_AT, True)
-    compiled = [m for m in engine.module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
-    if not compiled:
-        return False
-    plugin = _accelerate_dynamo_plugin()
-    kwargs = plugin.to_kwargs() if plugin is not None and getattr(plugin, "use_regional_compilation", False) else {}
-    backend = kwargs.pop("backend", None)
-    if backend not in ("eager", "inductor"):
-        reason = (f"Accelerate's dynamo backend {backend!r} is not one DeepCompile runs ('eager', 'inductor')"
-                  if backend is not None else "they were not compiled by Accelerate's regional compilation")
-        logger.warning(f"deepspeed-compile: 'deepcompile' is set, but engine.compile() was not called and "
-                       f"{len(compiled)} module(s) were compiled in place (nn.Module.compile); {reason}. DeepCompile "
-                       "is not active: those modules run eager ZeRO under plain torch.compile. Call engine.compile() "
-                       "instead; '\"compile\": {\"regions\": \"blocks\"}' compiles block by block")
-        return False
-    for module in compiled:
-        module._compiled_call_impl = None
-    from .capture import regions
-    if engine.module not in compiled and regions.repeated_blocks(engine.module):  # blocks, not the whole model
-        engine._config.compile_config.regions = "blocks"
-    logger.warning(f"deepspeed-compile: Accelerate compiled {len(compiled)} module(s) in place (regional "
-                   f"compilation), which leaves DeepCompile off; DeepCompile compiles the engine instead, "
-                   f"regions={engine._config.compile_config.regions!r}, backend={backend!r}")
-    engine.compile(backend=backend, compile_kwargs=kwargs)
-    return state_of(engine) is not None
 
 
 @contextmanager
@@ -413,7 +365,7 @@ def forward_context(engine) -> Iterator[None]:
     """One forward of ``engine``: prepared by its runtime when DeepCompile is active (stand-ins in, eager access
     on); if the engine left DeepCompile since its last forward, it is returned to eager ZeRO-3 first."""
     state = state_of(engine, active_only=False)
-    if state is None and _adopt_regional_compile(engine):
+    if state is None and accelerate.adopt_regional_compile(engine):
         state = state_of(engine, active_only=False)
     if state is None:
         yield None
@@ -422,9 +374,8 @@ def forward_context(engine) -> Iterator[None]:
         deactivate(engine)
         yield None
         return
-    if state.stage == 3:
-        from .capture import eager_hooks
-        eager_hooks.drop_reregistered(engine)
+    from .driver import eager_hooks
+    eager_hooks.drop_reregistered(engine)  # ZeRO-3's module hooks, where something registered them again
     with state.runtime.forward_context(), ds_checkpointing.deepcompile_forward():
         yield None
 

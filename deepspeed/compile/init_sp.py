@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engine adapter (stock ``engine.py`` imports it by name): AutoSP, not implemented."""
+"""Entry point (stock ``engine.py`` imports it by name): AutoSP, not implemented."""
 from .engine_state import fall_back
 
 

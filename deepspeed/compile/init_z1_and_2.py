@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engine adapter (stock ``engine.py`` imports it by name): DeepCompile for ZeRO stages 1 and 2, see
+"""Entry point (stock ``engine.py`` imports it by name): DeepCompile for ZeRO stages 1 and 2, see
 ``engine_state.activate_z12`` and ``runtime/z12.py``."""
 from .engine_state import activate_z12
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engine adapter (stock ``engine.py`` imports it by name): DeepCompile for ZeRO stage 3, see ``engine_state``."""
+"""Entry point (stock ``engine.py`` imports it by name): DeepCompile for ZeRO stage 3, see ``engine_state``."""
 from .engine_state import activate_z3
 
 

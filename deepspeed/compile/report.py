@@ -20,7 +20,7 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
     if state is None:
         return None
     runtime = state.runtime
-    c, s = runtime.counters, state.stats.saved
+    c, s = runtime.counters.reduce, state.stats.saved
     report = {
         "zero_stage": state.stage,
         "graphs_compiled": state.stats.graphs_compiled,
@@ -37,42 +37,16 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         "reduce_wait_seconds": c.reduce_wait_seconds,
         "pass_seconds": dict(state.stats.pass_times),
         "compile_seconds": dict(state.stats.compile_seconds),
+        # "shm": the collectives through shared memory between the ranks of this host (compile.host_comm)
+        "host_comm": runtime.transport.kind,
+        "host_comm_bytes": 0 if runtime.transport.host is None else runtime.transport.host.bytes,  # this rank's
+        "host_comm_reason": runtime.transport.reason,  # why not shared memory (None where it is)
+        # the memory plan of the gathers and the parameters kept gathered for backward (compile.keep_gathered_bytes),
+        # summed over the graphs (one block's with regions="blocks"): 0 where nothing is gathered (ZeRO-1/2)
+        "planned_peak_gathered_bytes": state.stats.planned_peak_gathered_bytes,
+        "kept_gathered_bytes": state.stats.kept_gathered_bytes,
     }
-    # "shm": the collectives through shared memory between the ranks of this host (compile.host_comm)
-    report["host_comm"] = runtime.host_comm
-    report["host_comm_bytes"] = 0 if runtime.host is None else runtime.host.bytes  # this rank's shared segments
-    report["host_comm_reason"] = runtime.host_comm_reason  # why not shared memory (None where it is)
-    if state.stage != 3:
-        report["eager_grads"] = c.eager_grads
-        report["reduces_started_ahead"] = c.reduces_started_ahead  # ZeRO-2 bucket reductions left in flight
-        report["matmul_grads"] = c.matmul_grads  # weight gradients the reduce computed (fused with its matmul)
-        report["grads_in_bucket"] = c.grads_in_bucket  # of those, computed in ZeRO-2's bucket: no copy into it
-    else:
-        report.update({
-            # the path the graphs' all-gathers took (several joined by "+"; None before any): "shm" (compile.host_comm),
-            # "native" (the native op) or "python"; what compile.native_op loaded is gather_op_loaded
-            "gather_path": "+".join(sorted(c.allgather_collectives_by_path)) or None,
-            "gather_collectives_by_path": dict(c.allgather_collectives_by_path),
-            "gather_op_loaded": runtime.gather_op,
-            "gather_seconds": c.gather_seconds,
-            "runs_started_ahead": c.runs_started_ahead,
-            "unclaimed_gathers": c.unclaimed_gathers,  # prefetched and never used (wasted collective bytes)
-            "shard_copies": c.shard_copies,
-            "allgather_bytes": c.allgather_bytes,
-            "allgather_bytes_by_dtype": dict(c.allgather_bytes_by_dtype),
-            "reduce_scatter_bytes": c.reduce_scatter_bytes,
-            "gathers": c.gathers,
-            "allgather_collectives": c.allgather_collectives,
-            "eager_gathers": c.eager_gathers,
-            # why dynamo ran code that reads parameters eagerly (its graph breaks), as the warnings named them
-            "eager_reasons": list(runtime.eager.reported),
-            "live_gathered_bytes": c.live_gathered_bytes,
-            "peak_gathered_bytes": c.peak_gathered_bytes,
-            "planned_peak_gathered_bytes": state.stats.planned_peak_gathered_bytes,
-            # gathered bytes of the parameters the compiled graphs keep from forward to backward
-            # (compile.keep_gathered_bytes), summed over the graphs (one block's with regions="blocks")
-            "kept_gathered_bytes": state.stats.kept_gathered_bytes,
-        })
+    report.update(runtime.report_items())  # what the stage's parts did (ZeRO-3's gathers, ZeRO-1/2's hand-offs)
     return report
 
 
@@ -92,8 +66,7 @@ def record_gathered_timeline(engine, on: bool = True) -> None:
 
 
 def _comm_of(engine):
-    """The ZeRO-3 runtime's record of its collectives (ZeRO-1/2: none, ZeRO's optimizer issues the reductions and
-    nothing is gathered)."""
+    """The runtime's record of its collectives (ZeRO-1/2: the bucket reductions it starts, nothing gathered)."""
     runtime = runtime_of(engine)
     return getattr(runtime, "comm", None)
 

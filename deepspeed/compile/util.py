@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engine adapter (stock ``engine.py`` imports it by name, at ``import deepspeed``): support check, the native
+"""Entry point (stock ``engine.py`` imports it by name, at ``import deepspeed``): support check, the native
 handle the engine initializes, and the backward prologue / epilogue of the engines' runtimes.
 
 Everything here must import without CUDA or a built native op.

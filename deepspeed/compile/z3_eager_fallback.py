@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engine adapter (stock ``engine.py`` and ZeRO-3's ``parameter_offload.py`` import it by name).
+"""Entry point (stock ``engine.py`` and ZeRO-3's ``parameter_offload.py`` import it by name).
 
 DeepSpeed's engine wraps every forward in :func:`deepcompile_z3_forward_context` (``engine_state.forward_context``).
 During that forward :func:`get_active_z3_eager_fallback` returns the runtime's

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import effects
+
 logger = logging.getLogger(__name__)
 
 NATIVE_MODES = ("auto", "native", "python")
@@ -40,16 +42,11 @@ def _load_library() -> Tuple[bool, str]:
     """Build/load the library once per process: (loaded, why not). The ops it registers are process-wide."""
     from .builder import NativeOpBuilder
     try:
-        NativeOpBuilder().load()
+        missing = effects.load_native_ops(lambda: NativeOpBuilder().load(),
+                                          {OP_NAME: _fake_cast_all_gather, START_OP_NAME: _fake_cast_all_gather})
     except Exception as err:  # a failed build is reported to the user, never fatal by itself
         return False, f"{type(err).__name__}: {err}"
-    if not hasattr(torch.ops.dsc_native, "cast_all_gather"):
-        return False, f"the library was loaded but did not register {OP_NAME}"
-    if not hasattr(torch.ops.dsc_native, "cast_all_gather_start"):
-        return False, f"the library was loaded but did not register {START_OP_NAME}"
-    torch.library.register_fake(OP_NAME)(_fake_cast_all_gather)
-    torch.library.register_fake(START_OP_NAME)(_fake_cast_all_gather)
-    return True, ""
+    return (False, missing) if missing else (True, "")
 
 
 def native_op_error() -> Optional[str]:

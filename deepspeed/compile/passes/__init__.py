@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engine adapters only: the stock DeepCompile pass names that DeepSpeed's engine imports from here and registers at
+"""Entry points only: the stock DeepCompile pass names that DeepSpeed's engine imports from here and registers at
 start-up (``from deepspeed.compile.passes import zero3_compile, prefetch, ...``, then ``NAME``, a callable and a
 ``CONTRACT`` from each). None of them runs here: each callable raises, saying that this module runs its own fixed
-pipeline (``capture/compiler.py``). The real graph passes live in ``deepspeed.compile.graph`` (analysis, tagging,
+pipeline (``driver/compiler.py``). The real graph passes live in ``deepspeed.compile.graph`` (analysis, tagging,
 rewrites) and ``deepspeed.compile.schedule`` (ordering); ``contract.py`` is the schedule validation the engine
 calls."""
 from types import SimpleNamespace

@@ -19,11 +19,11 @@ and, for its backward, when the first gradient reaches its outputs; the runtime'
 by block, and a backward compiled lazily, at its first run, fails on one rank as a forward does.
 
 At ZeRO-1/2 the graphs issue no collective of their own; their backward hands gradients to ZeRO, which reduces
-them, so the agreement comes before a backward's first gradient is accumulated or handed over (``Z12Runtime.reduce``)
-or ZeRO-1's reduction at the end of backward: a backward every rank stops leaves ``param.grad`` as it found it. A
-graph under ``no_grad`` there hands nothing and agrees on nothing (an evaluation may run on one rank alone); a frame
-past the recompile limit runs as Python and hands its gradients over the same way, so the ranks' collectives stay the
-same and nothing is agreed.
+them, so the agreement comes before a backward's first gradient is accumulated or handed over
+(``GradientHandOff.reduce``) or ZeRO-1's reduction at the end of backward: a backward every rank stops leaves
+``param.grad`` as it found it. A graph under ``no_grad`` there hands nothing and agrees on nothing (an evaluation may
+run on one rank alone); a frame past the recompile limit runs as Python and hands its gradients over the same way, so
+the ranks' collectives stay the same and nothing is agreed.
 
 The all-reduce goes through the runtime's transport: a few bytes through shared memory (45 us with 2 ranks), or one
 gloo all-reduce (310 us) through the process group (``benchmarks/gloo_collectives.py``). It applies where the process
@@ -90,17 +90,16 @@ def agree(group, host: Optional[HostComm], code: int, cause: str = "",
 
 
 class Peers:
-    """What a runtime (ZeRO-3's, ZeRO-1/2's) does with its peers on the engine's behalf. ``host`` is its
-    :class:`HostComm` (None where its collectives go through the process group), ``group`` the data-parallel process
-    group, ``agree_timeout`` the wait's limit (None: the transport's own)."""
-    host: Optional[HostComm] = None
-    group = None
-    agree_timeout: Optional[datetime.timedelta] = None
-    stage: int = 3
-    agreements = 0  # agreements made so far (a float32 a rank each, all-reduced)
-    agree_on_failures = True  # compile.agree_on_failures
-    agreement_due = False  # a graph ran since the last agreement: the next collective agrees first
-    on_stopped: Optional[Callable[[Outcome], None]] = None  # raises: a peer could not run its graph
+    """What a runtime (any stage's, ``stage.py``) does with its peers on the engine's behalf: its part that owns the
+    agreement's state. ``group`` is the data-parallel process group, ``host`` the runtime's :class:`HostComm` (None
+    where its collectives go through the process group), ``timeout`` the wait's limit (None: the transport's own)."""
+
+    def __init__(self, group, host: Optional[HostComm], timeout: Optional[datetime.timedelta]):
+        self.group, self.host, self.timeout = group, host, timeout
+        self.agreements = 0  # agreements made so far (a float32 a rank each, all-reduced)
+        self.agree_on_failures = True  # compile.agree_on_failures
+        self.agreement_due = False  # a graph ran since the last agreement: the next collective agrees first
+        self.on_stopped: Optional[Callable[[Outcome], None]] = None  # raises: a peer could not run its graph
 
     def agrees_now(self) -> bool:
         """Whether the ranks agree before each graph's first collective: with ``compile.agree_on_failures``, on gloo
@@ -125,16 +124,10 @@ class Peers:
         """:func:`agree` on this runtime's ranks and transport (the agreement due, if any, is this one)."""
         self.agreement_due = False
         self.agreements += 1
-        return agree(self.group, self.host, code, cause, self.agree_timeout)
+        return agree(self.group, self.host, code, cause, self.timeout)
 
     def post_failure(self, message: str) -> None:
         """This rank cannot go on with its graphs (``message`` says why): tell the peers, whose next wait on shared
         memory raises naming this rank and the cause (:meth:`HostComm.post_failure`)."""
         if self.host is not None:
             self.host.post_failure(message)
-
-    def close(self) -> None:
-        """Release what the runtime holds of the OS, its shared-memory segments (the engine's deactivation and
-        destroy; process exit does it too)."""
-        if self.host is not None:
-            self.host.close()

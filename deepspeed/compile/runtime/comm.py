@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the ZeRO-3 runtime's collectives cost and the order they went out in.
+"""What a runtime's collectives cost and the order they went out in.
 
-One :class:`CommLog` per runtime, shared by its gathers (``z3.py``, ``z3_runs.py``) and its gradient reduction
-(``z3_reduce.py``): the counters ``engine_report`` reads, the waits (a collective past
+One :class:`CommLog` per runtime (every stage: ``stage.py``), shared by its parts: ZeRO-3's gathers (``z3.py``,
+``z3_runs.py``) and gradient reduction (``z3_reduce.py``), ZeRO-1/2's hand-offs (``z12_reduce.py``). It holds the
+counters ``engine_report`` reads, the waits (a collective past
 ``compile.collective_timeout_s`` raises an error naming it), live gathered bytes, and the recordings ``report.py``
 switches on (the live-bytes timeline, each collective's span in flight, the collectives in issue order).
 """
@@ -16,31 +17,48 @@ from ..native.gather import wait_for
 
 
 @dataclass
-class Counters:
-    allgather_bytes: int = 0
-    reduce_scatter_bytes: int = 0
+class GatherCounters:
+    """ZeRO-3's gathers: by the graphs (their ops and coalesced runs) and for eager code (ZeRO-1/2 gather nothing)."""
     gathers: int = 0  # parameters gathered by the graphs
     allgather_collectives: int = 0  # collectives that gathered them (fewer when coalesced)
-    reduces: int = 0
-    eager_gathers: int = 0  # parameters gathered on access by code outside the compiled graphs
-    live_gathered_bytes: int = 0
-    peak_gathered_bytes: int = 0
+    allgather_bytes: int = 0
     allgather_bytes_by_dtype: Dict[str, int] = field(default_factory=dict)
     # the graphs' all-gather collectives by the path they took: "shm" (host_comm's slots), "native" (the native op),
     # "python" (torch.distributed called from Python)
     allgather_collectives_by_path: Dict[str, int] = field(default_factory=dict)
-
-    def count_gather_path(self, path: str) -> None:
-        self.allgather_collectives_by_path[path] = self.allgather_collectives_by_path.get(path, 0) + 1
     gather_seconds: float = 0.0  # time spent waiting for all-gathers (exposed communication)
     runs_started_ahead: int = 0  # coalesced runs whose collective had been started before they were needed
-    reduce_collectives: int = 0
-    reduce_bytes: int = 0  # bytes sent by gradient reductions (here all reduce-scatters)
-    reduce_wait_seconds: float = 0.0  # time spent waiting for reduce-scatters started earlier
     shard_copies: int = 0  # copies of offloaded shards to the device (one per run, or per single gather)
     # gathered copies freed with no op having claimed them: a prefetched run's member that no graph used, its
     # collective bytes wasted (0 while the runs' plans name the parameters the graphs run on)
     unclaimed_gathers: int = 0
+    eager_gathers: int = 0  # parameters gathered on access by code outside the compiled graphs
+    live_gathered_bytes: int = 0
+    peak_gathered_bytes: int = 0
+
+    def count_path(self, path: str) -> None:
+        self.allgather_collectives_by_path[path] = self.allgather_collectives_by_path.get(path, 0) + 1
+
+
+@dataclass
+class ReduceCounters:
+    """Gradient reduction, every stage: ZeRO-3's reduce-scatters, ZeRO-1/2's hand-offs to ZeRO's buckets."""
+    reduces: int = 0  # gradients reduced (ZeRO-3) or handed to ZeRO (ZeRO-1/2), from the graphs or eager code
+    reduce_collectives: int = 0
+    reduce_bytes: int = 0  # bytes sent by gradient reductions, in each gradient's communication dtype
+    reduce_scatter_bytes: int = 0  # of those, by ZeRO-3's reduce-scatters
+    reduce_wait_seconds: float = 0.0  # time spent waiting for reductions started earlier
+    reduces_started_ahead: int = 0  # ZeRO-2 bucket reductions left in flight while backward went on (z12_reduce.py)
+    eager_grads: int = 0  # ZeRO-1/2: gradients autograd accumulated from eager code (frames run as Python)
+    matmul_grads: int = 0  # ZeRO-1/2: gradients a reduce computed itself, fused with their matmul (reduce_grad_mm)
+    grads_in_bucket: int = 0  # of those, computed straight into ZeRO-2's reduce bucket (no copy into it)
+
+
+@dataclass
+class Counters:
+    """What a runtime's collectives did since the last reset, one type for every stage."""
+    gather: GatherCounters = field(default_factory=GatherCounters)
+    reduce: ReduceCounters = field(default_factory=ReduceCounters)
 
 
 @contextmanager
@@ -80,8 +98,8 @@ class CommLog:
         self.issued_collectives = [] if on else None
 
     def reset_counters(self) -> None:
-        live = self.counters.live_gathered_bytes
-        self.counters = Counters(live_gathered_bytes=live, peak_gathered_bytes=live)
+        live = self.counters.gather.live_gathered_bytes
+        self.counters = Counters(GatherCounters(live_gathered_bytes=live, peak_gathered_bytes=live))
 
     def wait(self, work, what: Callable[[], str]) -> None:
         with self.timeout_named(what):
@@ -99,16 +117,16 @@ class CommLog:
         span from issue to the end of its wait is kept."""
         now = time.perf_counter()
         if kind == "all-gather":
-            self.counters.gather_seconds += now - waited_from
+            self.counters.gather.gather_seconds += now - waited_from
         else:
-            self.counters.reduce_wait_seconds += now - waited_from
+            self.counters.reduce.reduce_wait_seconds += now - waited_from
         if self.collective_spans is not None:
             self.collective_spans.append((kind, waited_from if issued is None else issued, now))
 
     def add_live_bytes(self, nbytes: int, eager: bool = True) -> None:
         """Live gathered bytes change by ``nbytes``: a parameter gathered (> 0) or partitioned (< 0) for eager code,
         or, with ``eager=False``, a gathered copy or a coalesced collective's receive buffer allocated or freed."""
-        c = self.counters
+        c = self.counters.gather
         if nbytes > 0 and eager:
             c.eager_gathers += 1
             c.allgather_bytes += nbytes

@@ -31,6 +31,10 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch.nn import Parameter
 from torch.utils import _pytree as pytree
 
+from .. import effects
+from ..adapters import ModuleForward
+from .z3_params import ShardedParams
+
 log = logging.getLogger(__name__)
 
 _ACTIVE: contextvars.ContextVar[Optional["EagerAccess"]] = contextvars.ContextVar("dsc_eager_access", default=None)
@@ -52,7 +56,7 @@ def _dynamo_reasons() -> list:
     return list(dict.fromkeys(reason for reason in reasons if reason))
 
 
-# the name of a block trampoline of ``regions: "blocks"`` (``capture/regions.py``), which dynamo names in its graph break
+# the name of a block trampoline of ``regions: "blocks"`` (``driver/regions.py``), which dynamo names in its graph break
 BLOCK_TRAMPOLINE = "deepcompile_block_trampoline"
 BLOCK_TRAMPOLINE_REASON = ("the model's frame runs as Python around its blocks (compile.regions='blocks' compiles each "
                            "block on its own)")
@@ -77,13 +81,8 @@ def keep_getter_eager() -> None:
     after it runs as Python. (``torch._dynamo.reset()`` forgets these; the runtime sets them again at every
     forward.)"""
     from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-    torch._C._dynamo.eval_frame.set_code_exec_strategy(ZeROOrderedDict.__getitem__.__code__,
-                                                       FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-    torch._C._dynamo.eval_frame.set_code_exec_strategy(forward_gathering_returned.__code__,
-                                                       FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
-    torch._C._dynamo.eval_frame.set_code_exec_strategy(gather_for_caller.__code__,
-                                                       FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    effects.skip_frames([ZeROOrderedDict.__getitem__.__code__, gather_for_caller.__code__], with_callees=True)
+    effects.skip_frames([forward_gathering_returned.__code__], with_callees=False)
 
 
 # A module whose forward returns one of its parameters as it is (a gate, a scale) hands its caller that parameter
@@ -102,7 +101,7 @@ def forward_gathering_returned(self, *args, **kwargs):
 
 def gather_for_caller(output) -> None:
     """Gather the ZeRO-3 parameters in a module's ``output`` for a caller run as Python, when a DeepCompile forward
-    is running (also the block trampoline's, ``capture/regions.py``). Run as Python with everything it calls (never
+    is running (also the block trampoline's, ``driver/regions.py``). Run as Python with everything it calls (never
     compiled: a ZeRO-3 gather is no graph)."""
     access = active()
     if access is not None:
@@ -114,28 +113,29 @@ def install_forwards_gathering_returned(root: torch.nn.Module) -> List[torch.nn.
     returns them. Left out: ``torch.nn``'s own modules (dynamo never starts a frame in them, and none returns a
     parameter) and a module whose ``forward`` is already set on the instance (``regions: "blocks"``, accelerate's
     hooks). Bound as a method of the module, so a deep copy of the model calls its own copy."""
-    modules = [m for m in root.modules() if m is not root and "forward" not in m.__dict__
+    modules = [m for m in root.modules() if m is not root and ModuleForward.own(m) is None
                and not type(m).__module__.startswith("torch.nn.") and any(True for _ in m.parameters())]
     for module in modules:
-        module.forward = types.MethodType(forward_gathering_returned, module)
+        ModuleForward.set(module, types.MethodType(forward_gathering_returned, module))
     return modules
 
 
 def uninstall_forwards_gathering_returned(modules: List[torch.nn.Module]) -> None:
     for module in modules:
-        forward = module.__dict__.get("forward")
-        if getattr(forward, "__func__", None) is forward_gathering_returned:
-            del module.forward
+        ModuleForward.clear(module, lambda forward: getattr(forward, "__func__", None) is forward_gathering_returned)
 
 
 class EagerAccess:
     """One per runtime: the parameters gathered for eager code in the current step, and their gradient hooks."""
 
-    def __init__(self, params: Dict[int, Parameter], names: Dict[int, str],
-                 reduce: Callable[[int, torch.Tensor], None], on_live_bytes: Callable[[int], None],
-                 on_use: Callable[[Parameter], None]):
-        self.params = params
-        self.names = names  # ds_id -> qualified parameter name, for errors
+    def __init__(self, table: ShardedParams, root: torch.nn.Module, reduce: Callable[[int, torch.Tensor], None],
+                 on_live_bytes: Callable[[int], None], on_use: Callable[[Parameter], None]):
+        self.table = table
+        self.params = table.params
+        # the parameter dicts ZeRO-3 gathers from on access while marked in forward (the module docstring)
+        self._param_dicts = [m._parameters for m in root.modules() if hasattr(m._parameters, "_in_forward")]
+        # a submodule that returns its own parameter to a caller run as Python gets it gathered (see below)
+        self._gathering_returned = install_forwards_gathering_returned(root)
         self._reduce = reduce
         self._on_live_bytes = on_live_bytes
         self._on_use = on_use  # a gradient for the parameter may come from this use
@@ -281,7 +281,17 @@ class EagerAccess:
         self._on_live_bytes(-freed)
 
     def name(self, param: Parameter) -> str:
-        return f"'{self.names.get(param.ds_id, '?')}' (ds_id {param.ds_id}, shape {tuple(param.ds_shape)})"
+        return self.table.name(param)
+
+    def mark_in_forward(self, on: bool) -> None:
+        """Mark every parameter dict as in a forward (ZeRO-3 then gathers a parameter read through it) or not."""
+        for params in self._param_dicts:
+            params._in_forward = on
+
+    def uninstall_forwards(self) -> None:
+        """The submodules' own ``forward`` back (:func:`install_forwards_gathering_returned`)."""
+        uninstall_forwards_gathering_returned(self._gathering_returned)
+        self._gathering_returned = []
 
     # ----- gradients of eagerly used parameters ----------------------------------------------------------
     def install_grad_hooks(self) -> None:

@@ -15,12 +15,13 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .. import effects
 from . import registry
 
 NAMESPACE = "dsc"
 
 
-@torch.library.custom_op("dsc::gather_param", mutates_args=())
+@effects.custom_op("dsc::gather_param", mutates_args=())
 def gather_param(standin: Tensor, runtime_id: int, ds_id: int, dtype: Optional[torch.dtype],
                  after: List[Tensor], plan: str) -> Tensor:
     """All-gather the parameter ``standin`` stands in for to its full shape, cast to ``dtype`` first (before
@@ -64,7 +65,7 @@ def _gather_backward(ctx, grad: Tensor):
     return param_grad(grad, standin), None, None, None, [None] * ctx.num_after, None
 
 
-@torch.library.custom_op("dsc::param_grad", mutates_args=())
+@effects.custom_op("dsc::param_grad", mutates_args=())
 def param_grad(grad: Tensor, standin: Tensor) -> Tensor:
     """The gradient of the parameter ``standin`` stands in for: only a marker in the traced backward, which
     ``rewrite.insert_reduces_pass`` replaces by ``reduce_grad(grad, ..., standin)``; run as it is, a copy."""
@@ -79,7 +80,7 @@ def _(grad: Tensor, standin: Tensor) -> Tensor:
 gather_param.register_autograd(_gather_backward, setup_context=_gather_setup_context)
 
 
-@torch.library.custom_op("dsc::release_param", mutates_args=("gathered",))
+@effects.custom_op("dsc::release_param", mutates_args=("gathered",))
 def release_param(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Tensor]) -> None:
     """Drop one reference to the gathered parameter (the runtime finds it from the tensor); the last one frees its
     storage. ``after`` are the outputs
@@ -97,7 +98,7 @@ def _release_fake(gathered: Tensor, runtime_id: int, ds_id: int, after: List[Ten
     return None
 
 
-@torch.library.custom_op("dsc::reduce_grad", mutates_args=("grad",))
+@effects.custom_op("dsc::reduce_grad", mutates_args=("grad",))
 def reduce_grad(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor], after: List[Tensor]) -> None:
     """Queue the full gradient of a parameter for a bucketed reduce-scatter into its ZeRO partition. ZeRO-3: the
     parameter is the one ``param`` (its stand-in, a graph input) stands in for. ZeRO-1/2 (``param`` None): the
@@ -136,7 +137,7 @@ def gradient_wanted(param: Tensor) -> bool:
             "deepspeed.utils.safe_get_full_grad), or run this model without DeepCompile") from err
 
 
-@torch.library.custom_op("dsc::reduce_grad_mm", mutates_args=())
+@effects.custom_op("dsc::reduce_grad_mm", mutates_args=())
 def reduce_grad_mm(mat1: Tensor, mat2: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor],
                    after: List[Tensor]) -> Tensor:
     """``reduce_grad(mm(mat1, mat2), runtime_id, ds_id, param, after)`` as one op (``rewrite.fuse_matmul_reduces_pass``,
@@ -200,7 +201,7 @@ PLAIN_CALLS = {GATHER: run_gather, RELEASE: run_release, REDUCE: run_reduce, RED
 # step calls several hundred. The twins go into a graph only in its last pass (``GraphCompiler._lowering``):
 # nothing traces or differentiates it after that, and inductor reads the same schema (mutated arguments included)
 # as from the op each replaces, so it orders and keeps them as it did those.
-_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+_LIBRARY = effects.op_library(NAMESPACE)
 
 
 def _untraced_twin(op: torch._ops.OpOverload, run, fake) -> torch._ops.OpOverload:
@@ -208,7 +209,7 @@ def _untraced_twin(op: torch._ops.OpOverload, run, fake) -> torch._ops.OpOverloa
     name = f"run_{op._schema.name.split('::')[1]}"
     _LIBRARY.define(name + str(op._schema)[len(op._schema.name):])
     _LIBRARY.impl(name, run, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
+    effects.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
     return getattr(torch.ops.dsc, name).default
 
 
@@ -217,4 +218,4 @@ UNTRACED_CALLS = {GATHER: _untraced_twin(GATHER, run_gather, _gather_fake),
                   REDUCE: _untraced_twin(REDUCE, run_reduce, _reduce_fake),
                   REDUCE_MM: _untraced_twin(REDUCE_MM, run_reduce_mm, _reduce_mm_fake)}
 for _op in (REDUCE_MM, UNTRACED_CALLS[REDUCE_MM]):  # its effect is the reduction, not its (token) result
-    torch.fx.node.has_side_effect(_op)
+    effects.mark_side_effect(_op)

@@ -15,8 +15,9 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import Tensor
 from torch.nn import Parameter
 
+from ..adapters import ParameterData
+
 _STANDIN = "_dsc_standin"  # the cached stand-in on the parameter
-_PARTITIONED = "_dsc_partitioned_data"  # ZeRO's own .data, put back by uninstall
 
 
 def _needs_standin(param: Parameter) -> bool:
@@ -52,14 +53,9 @@ def install(params: Iterable[Parameter], device: torch.device) -> None:
         if standin is None or standin.dtype != param.dtype or standin.device != device:
             standin = _make_standin(param, device)
             setattr(param, _STANDIN, standin)
-        setattr(param, _PARTITIONED, param.data)
-        param.data = standin
+        ParameterData.swap_in(param, standin)  # ZeRO's own .data kept, put back by uninstall
 
 
 def uninstall(params: Iterable[Parameter]) -> None:
     for param in params:
-        partitioned = getattr(param, _PARTITIONED, None)
-        if partitioned is None:
-            continue
-        param.data = partitioned
-        setattr(param, _PARTITIONED, None)
+        ParameterData.swap_back(param)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..adapters import ZeroBucketReduction
 from .comm import CommLog
 from .host_comm import Channel, start_sum
 
@@ -48,24 +49,23 @@ class _InFlight:
 
 
 class BucketFlush:
-    """ZeRO-2's ``reduce_ipg_grads`` with the collective left in flight (see the module docstring).
-    ``counters_of`` returns the runtime's current ``Z12Counters``."""
+    """ZeRO-2's ``reduce_ipg_grads`` with the collective left in flight (see the module docstring). Owns the
+    all-reduces in flight and the buckets' size; counts into ``comm`` and waits through it (a collective past
+    ``compile.collective_timeout_s`` names itself). ``host``: the shared-memory channel for its collectives, where
+    every rank is on this host (``compile.host_comm``), else None."""
 
-    def __init__(self, optimizer, counters_of, timeout_s: float = 0.0):
+    def __init__(self, optimizer, comm: CommLog, host: Optional[Channel]):
         self.optimizer = optimizer
-        self._zero_reduce = type(optimizer).reduce_ipg_grads.__get__(optimizer)  # ZeRO's own, for its other paths
-        self._counters_of = counters_of  # the runtime resets its counters object: always ask for the current one
-        self._waits = CommLog(timeout_s)  # its wait: a collective past compile.collective_timeout_s names itself
+        # ZeRO's own, for its other paths (reduce) and to make its buckets (setup)
+        self._zero_reduce, self._zero_setup = ZeroBucketReduction.zero_own(optimizer)
+        self.comm = comm
         self.in_flight: List[_InFlight] = []  # started all-reduces, oldest first
-        # shared-memory slots for the collectives, where every rank is on this host (compile.host_comm; set by the
-        # runtime where the flush is overlapped)
-        self.host: Optional[Channel] = None
-        self.overlapped = self._can_overlap()
+        self.host = host
+        self.overlapped = self.can_overlap(optimizer)
         # (group, ZeRO param id) -> (start, numel) of the part of its gradient in this rank's partition: fixed when
         # ZeRO partitioned its groups, worked out at the first bucket reduced through a cast copy (torch autocast's
         # buckets; the others are reduced in place and need none)
         self._own_parts: Optional[Dict[Tuple[int, int], Tuple[int, int]]] = None
-        self._zero_setup = type(optimizer).setup_buckets.__get__(optimizer)
         # the most elements a bucket ever holds: ZeRO reduces it before a gradient would take it past
         # reduce_bucket_size, and it holds the gradient of each parameter of its groups at most once
         held = sum(p.numel() for group in optimizer.bit16_groups for p in group)
@@ -86,10 +86,10 @@ class BucketFlush:
             bucket.buffer[:] = [b.new_empty(self.bucket_capacity) if b.numel() > self.bucket_capacity else b
                                 for b in bucket.buffer]
 
-    def _can_overlap(self) -> bool:
-        """Whether ZeRO's reduction here is the one this class reorders: ZeRO-2 copying gradients into its
-        contiguous buckets and all-reducing each bucket once (DeepSpeed's defaults)."""
-        opt = self.optimizer
+    @staticmethod
+    def can_overlap(opt) -> bool:
+        """Whether ZeRO's reduction in optimizer ``opt`` is the one this class reorders: ZeRO-2 copying gradients
+        into its contiguous buckets and all-reducing each bucket once (DeepSpeed's defaults)."""
         if not (opt.partition_gradients and opt.contiguous_gradients and opt.reduce_scatter
                 and opt.use_multi_rank_bucket_allreduce):
             return False
@@ -115,13 +115,13 @@ class BucketFlush:
             elif comm_dtype is not None:
                 self._start(comm_dtype, refill=True)
                 self.finish(keep_latest=True)
-                self._counters_of().reduces_started_ahead += 1
+                self.comm.counters.reduce.reduces_started_ahead += 1
             else:
                 for _, dtype in sizes:  # in the buckets' order, the same on every rank: one collective each
                     self._start(dtype, refill=False)
                 self.finish()
         finally:
-            c = self._counters_of()
+            c = self.comm.counters.reduce
             c.reduce_wait_seconds += time.perf_counter() - start
             c.reduce_collectives += len(sizes)
             c.reduce_bytes += sum(n * d.itemsize for n, d in sizes)
@@ -202,7 +202,7 @@ class BucketFlush:
         self.in_flight = keep
         opt = self.optimizer
         for flight in done:
-            self._waits.wait(flight.work, lambda: f"ZeRO-2's gradient all-reduce of {flight.flat.numel()} elements")
+            self.comm.wait(flight.work, lambda: f"ZeRO-2's gradient all-reduce of {flight.flat.numel()} elements")
             for param, group_idx in flight.later:  # in start order: ZeRO lays the partition out as they come
                 opt.copy_grads_in_partition(param, group_idx)
             for dest, offset, numel in flight.slices:

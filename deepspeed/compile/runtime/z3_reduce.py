@@ -20,7 +20,7 @@ additions may differ from gloo's ring.
 """
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,8 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from .comm import CommLog
-from .host_comm import Channel, start_sum
+from .host_comm import start_sum
+from .transport import Transport
 
 
 BUCKET_SHARE = 4  # no bucket is wider than 1/4 of all trained parameters' partitions (_bucket_buffer)
@@ -51,20 +52,19 @@ class _PendingReduce:
 
 
 class GradientReducer:
+    """Owns the gradient buckets, the reduce-scatters in flight, and which parameters owe or hold a gradient in this
+    backward. The reducer protocol every stage keeps (``z12_reduce.GradientHandOff`` is ZeRO-1/2's): ``note_source``,
+    ``forget_sources``, ``reduce(ds_id, grad)``, ``end_of_backward``."""
 
-    def __init__(self, optimizer, params: Dict[int, Parameter], group, world_size: int, bucket_numel: int,
-                 comm: CommLog, host: Optional[Channel] = None):
+    def __init__(self, optimizer, params: Dict[int, Parameter], transport: Transport, bucket_numel: int,
+                 comm: CommLog):
         self.optimizer = optimizer
         self.params = params
-        self.group = group
-        self.world_size = world_size
+        self.transport = transport
         self.bucket_numel = bucket_numel  # DeepSpeed's reduce_bucket_size
         self.comm = comm
         # the columns one reduce of every trained parameter needs: no bucket is ever wider
         self._grad_columns = sum(p.partition_numel() for p in params.values() if p.requires_grad)
-        self._all_reduce = dist.get_backend(group) == "gloo"  # see the module docstring
-        self._host = host  # shared-memory slots, where every rank is on this host (module docstring)
-        self._rank = dist.get_rank(group)
         self.buffers: Dict[torch.dtype, List[Tensor]] = {}  # the bucket buffers, reused from step to step
         self._buckets: Dict[torch.dtype, _Bucket] = {}
         self._pending: List[_PendingReduce] = []  # started reduce-scatters, oldest first
@@ -131,14 +131,14 @@ class GradientReducer:
         rows = bucket.buffer[:, bucket.used:bucket.used + width]
         full = flat.numel() // width
         rows[:full].copy_(flat[:full * width].view(full, width))
-        if full < self.world_size:  # the padded tail of the last shards: the rest of its row, and later rows, are 0
+        if full < self.transport.world_size:  # the padded tail of the last shards: the rest of its row, and later rows, are 0
             rest = flat.numel() - full * width
             rows[full, :rest].copy_(flat[full * width:])
             rows[full, rest:].zero_()
             rows[full + 1:].zero_()
         bucket.items.append((param, width))
         bucket.used += width
-        self.comm.counters.reduces += 1
+        self.comm.counters.reduce.reduces += 1
 
     def _bucket_buffer(self, dtype: torch.dtype, width: int, device: torch.device) -> Tensor:
         """A (world_size, columns) buffer, allocated once per dtype and reused (as eager ZeRO-3 keeps its gradient
@@ -148,16 +148,17 @@ class GradientReducer:
         otherwise hold the whole model's gradient (2 GB of fp32 on GPT-2 355M with 2 ranks), whose reduce could
         only start when backward ends. With the share, the first reduce starts a quarter of the way through
         backward's gradients, and at most half of them are held in buckets (one reducing, one filling)."""
-        columns = min(self.bucket_numel // self.world_size, max(1, self._grad_columns // BUCKET_SHARE))
+        world_size = self.transport.world_size
+        columns = min(self.bucket_numel // world_size, max(1, self._grad_columns // BUCKET_SHARE))
         if width > columns:
-            return torch.empty(self.world_size, width, dtype=dtype, device=device)
+            return torch.empty(world_size, width, dtype=dtype, device=device)
         busy = {id(pending.buffer) for pending in self._pending}
         buffers = self.buffers.setdefault(dtype, [])
         for buffer in buffers:
             if id(buffer) not in busy and buffer.device == device:
                 return buffer
         # the other one is still being reduce-scattered: a second buffer (never more: one flush is in flight)
-        buffer = torch.empty(self.world_size, columns, dtype=dtype, device=device)
+        buffer = torch.empty(world_size, columns, dtype=dtype, device=device)
         buffers.append(buffer)
         return buffer
 
@@ -167,9 +168,9 @@ class GradientReducer:
         buffer, used = bucket.buffer, bucket.used
         flat = buffer.view(-1)
         if used < buffer.shape[1]:
-            for r in range(1, self.world_size):
+            for r in range(1, self.transport.world_size):
                 flat[r * used:(r + 1) * used].copy_(buffer[r, :used].clone())  # clone: the ranges may overlap
-        return flat[:self.world_size * used]
+        return flat[:self.transport.world_size * used]
 
     def _flush(self, dtype: torch.dtype) -> None:
         """Start the bucket's reduce-scatter without waiting: it runs while backward goes on, and is finished
@@ -179,18 +180,21 @@ class GradientReducer:
             return
         self._finish_reduces()
         self.comm.before_start()
+        transport = self.transport
+        world_size, rank = transport.world_size, transport.rank
         send = self._compact(bucket)
-        send.div_(self.world_size)  # gloo has no AVG: pre-divide, then SUM (as eager ZeRO-3 does)
-        if self._host is not None:
-            recv = send.view(self.world_size, bucket.used)[self._rank]
-            work = start_sum(self._host, send.view(self.world_size, bucket.used), self._rank)
-        elif self._all_reduce:  # this rank's row of the summed bucket is its partition (module docstring)
-            work = dist.all_reduce(send, group=self.group, async_op=True)
-            recv = send.view(self.world_size, bucket.used)[self._rank]
+        send.div_(world_size)  # gloo has no AVG: pre-divide, then SUM (as eager ZeRO-3 does)
+        rows = send.view(world_size, bucket.used)
+        if transport.host is not None:
+            recv = rows[rank]
+            work = start_sum(transport.host.reduce, rows, rank)
+        elif transport.reduce_scatter_by_all_reduce:  # this rank's row of the summed bucket is its partition
+            work = dist.all_reduce(send, group=transport.group, async_op=True)
+            recv = rows[rank]
         else:
             recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
-            work = dist.reduce_scatter_single(recv, send.view(-1), group=self.group, async_op=True)
-        c = self.comm.counters
+            work = dist.reduce_scatter_single(recv, send.view(-1), group=transport.group, async_op=True)
+        c = self.comm.counters.reduce
         c.reduce_scatter_bytes += send.numel() * send.element_size()
         c.reduce_bytes += send.numel() * send.element_size()
         c.reduce_collectives += 1

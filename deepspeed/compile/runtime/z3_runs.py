@@ -27,10 +27,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
-from ..native.gather import cast_all_gather_start
+from ..native.gather import cast_all_gather_start, wait_for
 from .comm import CommLog
-from .host_comm import Channel, start_gather
+from .host_comm import start_gather
 from .ops import Run, decode_plan
+from .transport import Transport
+from .z3_buffers import GatheredBuffers
+from .z3_params import ShardedParams
 
 # a run's collective goes out in chunks of about this many gathered elements (see _start_chunks): 2^20 (4 MiB of
 # fp32) amortizes a collective's fixed cost and keeps the copy-out transient to a few MiB
@@ -64,28 +67,16 @@ class _Started:
 
 
 class GatherRuns:
-    """``is_gathered((ds_id, dtype))`` says whether a gathered copy exists; ``add_gathered(param, dtype, flat, shard)``
-    hands one over, unclaimed, to the runtime (its ``gather_param`` op claims it), with the ``shard_state`` it was
-    gathered from."""
+    """Owns the runs' plans, the collectives started ahead and the order of the last step's runs. It gathers the
+    ``table``'s parameters through the ``transport`` and hands each gathered copy over to ``buffers``, unclaimed (its
+    ``gather_param`` op claims it), with the ``shard_state`` it was gathered from; ``is_gathered((ds_id, dtype))``
+    says whether a copy exists already (in ``buffers``, or held gathered for eager code)."""
 
-    def __init__(self, params: Dict[int, Parameter], names: Dict[int, str], *, group, world_size: int,
-                 device: torch.device, shards_offloaded: bool, native_start: bool, prefetch_across_graphs: bool,
-                 comm: CommLog, host: Optional[Channel],
-                 is_gathered: Callable[[Tuple[int, torch.dtype]], bool],
-                 add_gathered: Callable[[Parameter, torch.dtype, Tensor, Tuple[int, int]], None],
-                 name: Callable[[Parameter], str]):
-        self.params, self._names = params, names
-        self._by_name: Dict[str, Parameter] = {name: params[ds_id] for ds_id, name in names.items()}
-        self.group, self.world_size, self.device = group, world_size, device
-        self.shards_offloaded = shards_offloaded  # ZeRO-3's offload_param: shards are copied to the device first
-        # coalesced gathers start through the native op's start form on CUDA, where it casts on the communication
-        # stream; on CPU the shards are concatenated and cast in one copy (the op takes one shard, so it would copy
-        # the run twice)
-        self.native_start = native_start
+    def __init__(self, table: ShardedParams, transport: Transport, comm: CommLog, buffers: GatheredBuffers,
+                 is_gathered: Callable[[Tuple[int, torch.dtype]], bool], prefetch_across_graphs: bool):
+        self.table, self.transport, self.comm, self.buffers = table, transport, comm, buffers
+        self._is_gathered = is_gathered
         self.prefetch_across_graphs = prefetch_across_graphs
-        self.comm = comm
-        self.host = host  # shared-memory slots for the runs' collectives, where every rank is on this host
-        self._is_gathered, self._add_gathered, self._name = is_gathered, add_gathered, name
         # the runs the graphs have started, by their ``plan`` text, in first-use order (decoded once)
         self.plans: Dict[str, Plan] = {}
         self._inflight: Dict[Run, List[_Started]] = {}  # a run -> its all-gathers started ahead
@@ -110,7 +101,7 @@ class GatherRuns:
                                           self._moved(following, traced_ds_id, param))
             members, following = self._moved_plans[key]
         inflight = self._inflight.pop(members, None)
-        self.comm.counters.runs_started_ahead += inflight is not None
+        self.comm.counters.gather.runs_started_ahead += inflight is not None
         if inflight is None:  # nothing started ahead: gather the run now (a lone parameter takes its op's own path)
             inflight = [started for dtype, group in self._missing(members).items() if len(group) > 1
                         for started in self._start_chunks(group, dtype)]
@@ -123,6 +114,28 @@ class GatherRuns:
         if following and following not in self._inflight:
             self._inflight[following] = [started for dtype, group in self._missing(following).items()
                                          for started in self._start_chunks(group, dtype)]
+
+    def gather_one(self, param: Parameter, dtype: torch.dtype) -> Tensor:
+        """One parameter gathered by a collective of its own (a run of one, its op's own path), cast first: bf16 moves
+        half the bytes of gathering fp32 and casting after. Returns its flat gathered elements, padding included."""
+        transport, counters, shard = self.transport, self.comm.counters.gather, param.ds_tensor
+        self.comm.before_start()
+        start = time.perf_counter()
+        if self.table.offloaded:
+            shard = shard.to(transport.device, non_blocking=True)
+            counters.shard_copies += 1
+        self.comm.issued("all-gather", (param, ), shard.numel())
+        with self.comm.timeout_named(lambda: f"the all-gather of parameter {self.table.name(param)}"):
+            if transport.host is not None:  # cast into this rank's slot, every rank's slot copied out
+                (flat, ), work = start_gather(transport.host.gather, [shard.reshape(-1)], dtype, ident=param.ds_id)
+                wait_for(work, self.comm.timeout)
+            else:
+                flat = transport.cast_all_gather(shard, dtype, transport.group, transport.world_size,
+                                                 self.comm.timeout)
+        self.comm.done("all-gather", start)
+        counters.allgather_collectives += 1
+        counters.count_path(transport.kind if transport.host is not None else transport.gather_op)
+        return flat
 
     @property
     def last_step(self) -> List[Run]:
@@ -153,20 +166,21 @@ class GatherRuns:
         place: each parameter named under the traced module's path is replaced by the one at the same place under
         the other's (``layers.0.mlp.up.weight`` -> ``layers.3.mlp.up.weight`` when ``layers.0.attn.q.weight`` ran
         as ``layers.3.attn.q.weight``); one outside it (a shared parameter) stays as it is."""
-        traced, actual = self._names[traced_ds_id].split("."), self._names[param.ds_id].split(".")
+        names = self.table.names
+        traced, actual = names[traced_ds_id].split("."), names[param.ds_id].split(".")
         common = 0
         while common < min(len(traced), len(actual)) and traced[-1 - common] == actual[-1 - common]:
             common += 1
         old, new = ".".join(traced[:len(traced) - common]), ".".join(actual[:len(actual) - common])
         moved = []
         for ds_id, dtype in run:
-            name = self._names[ds_id]
+            name = names[ds_id]
             if old and name.startswith(old + "."):
                 name = f"{new}.{name[len(old) + 1:]}" if new else name[len(old) + 1:]
-            target = self._by_name.get(name)
+            target = self.table.by_name.get(name)
             if target is None:
                 raise AssertionError(f"deepspeed-compile: a gather plan traced on {old or 'the model'} has no "
-                                     f"counterpart of {self._name(self.params[ds_id])} under {new or 'the model'}")
+                                     f"counterpart of {self.table.name(self.table.params[ds_id])} under {new or 'the model'}")
             moved.append((target.ds_id, dtype))
         return tuple(moved)
 
@@ -183,7 +197,7 @@ class GatherRuns:
         """The run's parameters not gathered yet, by the dtype they are gathered in (one collective per dtype)."""
         groups: Dict[torch.dtype, List[Parameter]] = {}
         for ds_id, dtype in run:
-            param = self.params[ds_id]
+            param = self.table.params[ds_id]
             dtype = dtype or param.ds_tensor.dtype
             if not self._is_gathered((ds_id, dtype)):
                 groups.setdefault(dtype, []).append(param)
@@ -196,7 +210,7 @@ class GatherRuns:
         chunks: List[List[Parameter]] = [[]]
         numel = 0
         for param in members:
-            width = param.ds_tensor.numel() * self.world_size
+            width = param.ds_tensor.numel() * self.transport.world_size
             if chunks[-1] and numel + width > GATHER_CHUNK_NUMEL:
                 chunks.append([])
                 numel = 0
@@ -212,31 +226,32 @@ class GatherRuns:
         shards = [p.ds_tensor.reshape(-1) for p in members]
         widths = [s.numel() for s in shards]
         joined = None  # the shards back to back, where that costs no copy of its own
-        if self.shards_offloaded:  # one copy to the device for the run (concatenated where the shards are)
-            joined = torch.cat(shards).to(self.device, non_blocking=True)
+        transport, world_size = self.transport, self.transport.world_size
+        if self.table.offloaded:  # one copy to the device for the run (concatenated where the shards are)
+            joined = torch.cat(shards).to(transport.device, non_blocking=True)
             shards = list(joined.split(widths))
-            self.comm.counters.shard_copies += 1
+            self.comm.counters.gather.shard_copies += 1
         elif len(shards) == 1:
             joined = shards[0]
         width = sum(widths)
         flats = None
-        if self.host is not None:  # cast into this rank's slot as the shards are joined; read out per parameter
+        if transport.host is not None:  # cast into this rank's slot as the shards are joined; read out per parameter
             path, send, recv = "shm", None, None
-            flats, work = start_gather(self.host, shards, dtype, ident=members[0].ds_id)
-        elif self.native_start:  # the op casts into a send buffer of its own: joined shards need no copy first
+            flats, work = start_gather(transport.host.gather, shards, dtype, ident=members[0].ds_id)
+        elif transport.native_start:  # the op casts into a send buffer of its own: joined shards need no copy first
             path, send = "native", joined if joined is not None else torch.cat(shards)
-            work = cast_all_gather_start(send, dtype, self.group, self.world_size, self.comm.timeout)
-            recv = work.flat.view(self.world_size, -1)
+            work = cast_all_gather_start(send, dtype, transport.group, world_size, self.comm.timeout)
+            recv = work.flat.view(world_size, -1)
         else:  # not gloo's coalesced form into each parameter's buffer: it corrupts the heap (module docstring)
             path = "python"
             send = torch.empty(sum(s.numel() for s in shards), dtype=dtype, device=shards[0].device)
             torch.cat(shards, out=send)  # the cast, before sending, in the same copy
-            recv = torch.empty(self.world_size, send.numel(), dtype=dtype, device=send.device)
-            work = dist.all_gather_single(recv.view(-1), send, group=self.group, async_op=True)
-        self.comm.counters.allgather_collectives += 1
-        self.comm.counters.count_gather_path(path)
+            recv = torch.empty(world_size, send.numel(), dtype=dtype, device=send.device)
+            work = dist.all_gather_single(recv.view(-1), send, group=transport.group, async_op=True)
+        self.comm.counters.gather.allgather_collectives += 1
+        self.comm.counters.gather.count_path(path)
         self.comm.issued("all-gather", members, width)
-        nbytes = width * self.world_size * dtype.itemsize
+        nbytes = width * world_size * dtype.itemsize
         self.comm.add_live_bytes(nbytes, eager=False)
         return _Started(work, send, recv, members, states, dtype, time.perf_counter(), nbytes, flats)
 
@@ -246,13 +261,13 @@ class GatherRuns:
         rank's slot), so that each is released on its own."""
         start = time.perf_counter()
         self.comm.wait(started.work,
-                       lambda: "the all-gather of parameters " + ", ".join(self._name(p) for p in started.members))
+                       lambda: "the all-gather of parameters " + ", ".join(self.table.name(p) for p in started.members))
         self.comm.done("all-gather", start, started.issued)
         flats = started.flats  # through shared memory: filled by the wait
         if flats is None:  # rows -> one contiguous buffer a parameter (a copy each)
             flats = _columns(started.recv, [param.ds_tensor.numel() for param in started.members])
         for param, shard, flat in zip(started.members, started.shards, flats):
-            self._add_gathered(param, started.dtype, flat, shard)
+            self.buffers.add(param, started.dtype, flat, 0, shard)
         # the receive buffer is freed here (the copies above were live beside it)
         self.comm.add_live_bytes(-started.nbytes, eager=False)
         started.send = started.recv = started.work = started.flats = None

@@ -99,7 +99,7 @@ def in_flight_storages(runs: List[List[Node]], pos: Dict[Node, int]) -> List[Sto
     copies its parameters out when run k+1's first gather runs: that buffer is live from run k's first gather to
     run k+1's, where it and the parameters' own copies are live at once. The first run is gathered when it is
     needed (in one collective if it has several members): its buffer is live at its first gather only. The runtime
-    copies a run out chunk by chunk (``Z3Runtime._start_chunks``), freeing each receive buffer after its copy, so
+    copies a run out chunk by chunk (``GatherRuns._start_chunks``), freeing each receive buffer after its copy, so
     what it really holds at that point is the run and one chunk: the plan's whole-run buffer is an upper bound."""
     storages = []
     for k, run in enumerate(runs):

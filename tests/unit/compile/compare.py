@@ -74,7 +74,7 @@ def train_and_record(engine, model: str, steps: int, grad_steps: Optional[int], 
         runtime = runtime_of(e, active_only=False)
         if runtime is not None:
             # ZeRO-1/2 gather nothing; a ZeRO-3 runtime must have the counter (no silent 0 if it were renamed)
-            live_after_step.append(runtime.counters.live_gathered_bytes if e.zero_optimization_stage() == 3 else 0)
+            live_after_step.append(runtime.counters.gather.live_gathered_bytes if e.zero_optimization_stage() == 3 else 0)
         grad_norms.append(float(e.get_global_grad_norm()))
         if not master_after_first:
             master_after_first.append(master_params(e))
@@ -120,9 +120,9 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
         after_compile(compiled)
     out = train_and_record(compiled, model, steps, grad_steps)
     state = state_of(compiled, active_only=False)
-    # what the graph ops name a parameter by: its ds_id (ZeRO-3) or the runtime's key (ZeRO-1/2)
-    names = ({p.ds_id: name for name, p in compiled.module.named_parameters()} if stage == 3
-             else {key: state.runtime._names[key] for key in state.runtime.params})
+    # what the graph ops name a parameter by: its ds_id (ZeRO-3's own, or at ZeRO-1/2 the runtime's index)
+    by_object = {id(p): name for name, p in compiled.module.named_parameters()}
+    names = {ds_id: by_object[id(p)] for ds_id, p in state.runtime.params.items()}
     out.update(compiled_record(compiled))
     out.update({"host_comm": state.runtime.host_comm,  # how its collectives went between the ranks
                 # why compile.host_comm "auto" may not use shared memory on this machine, or None (a collective)
@@ -166,7 +166,7 @@ def compiled_record(engine) -> Dict[str, Any]:
     assert state is not None, "the engine was never compiled with DeepCompile"
     stage, runtime = engine.zero_optimization_stage(), state.runtime
     return {"active": engine.is_deepcompile_active(), "stage": stage, "graphs": state.stats.graphs_compiled,
-            "counters": vars(runtime.counters).copy(),
+            "counters": {**vars(runtime.counters.gather), **vars(runtime.counters.reduce)},
             # parameters ZeRO-3 keeps whole (stage3_param_persistence_threshold): never gathered by the graphs;
             # the others are sharded, and only the graphs' gathers can give them their values
             "persistent": len(runtime.persistent) if stage == 3 else 0,

@@ -73,7 +73,7 @@ PRELOAD = ["checkout", "torch", "torch.distributed", "deepspeed", "deepspeed.com
            # and inductor (on the first compile; DeepSpeed's ZeRO optimizers import dynamo too), sympy's units
            # (sympy's simplify, on inductor's first C++ kernel), the test models' transformers modules
            "torch._dynamo", "torch._inductor.compile_fx", "sympy.physics", "transformers.models.llama.modeling_llama",
-           "transformers.models.gpt2.modeling_gpt2", "deepspeed.compile.capture.compiler",
+           "transformers.models.gpt2.modeling_gpt2", "deepspeed.compile.driver.compiler",
            # DeepSpeed's ZeRO optimizers import it on every engine, and it compiles a function at import
            "deepspeed.runtime.zero.muon.muon_optimizer",
            "forkserver_ready"]  # last: one-time probes, then the heap frozen

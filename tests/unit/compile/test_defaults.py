@@ -77,12 +77,13 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
         runtime = runtime_of(engine, active_only=False)
         if runtime is not None:
             result["bucket_numel"] = max(b.numel() for bufs in runtime.reducer.buffers.values() for b in bufs)
-            result["partition_numel"] = sum(p.partition_numel() for p in runtime.params.values()) * runtime.world_size
+            world_size = runtime.transport.world_size
+            result["partition_numel"] = sum(p.partition_numel() for p in runtime.params.values()) * world_size
             result["active"] = engine.is_deepcompile_active()
-            result["gathers"] = runtime.counters.gathers
-            result["collectives"] = runtime.counters.allgather_collectives
+            result["gathers"] = runtime.counters.gather.gathers
+            result["collectives"] = runtime.counters.gather.allgather_collectives
             # the runs gathered, in first-use order, each with whether its collective starts the next run's
-            result["plans"] = [(text, bool(plan.next)) for text, plan in runtime.gather_plans.items()]
+            result["plans"] = [(text, bool(plan.next)) for text, plan in runtime.runs.plans.items()]
             result["persistent"] = len(runtime.persistent)
             result["orders"] = collective_orders(engine)  # per compiled graph: its gathers and reduces, in order
             report = engine_report(engine) or {}
@@ -113,7 +114,7 @@ def test_default_settings_train_exactly_with_a_bucket_of_a_quarter_of_the_model(
         # so what shows that DeepCompile ran is its graphs and its reduces (a persistent parameter's gradient comes out
         # of the compiled backward and the runtime reduce-scatters it). One forward graph, the loss in it: GPT-2's
         # loss function logs that its loss_type is unset (warning_once), which broke the forward in two until
-        # DeepCompile's forward told dynamo to ignore that call (capture/ds_checkpointing.py)
+        # DeepCompile's forward told dynamo to ignore that call (integrations/ds_checkpointing.py)
         assert dc["graphs"] == 1 and dc["reduces"] > 0, dc
         print(f"default settings, median step: DeepCompile {dc['step_s'] * 1e3:.1f} ms, "
               f"eager ZeRO-3 {r['eager']['step_s'] * 1e3:.1f} ms")
@@ -223,7 +224,7 @@ def _reduce_bytes(steps):
             engine.step()
             norms = []
             runtime = runtime_of(engine)
-            agreements = 0 if runtime is None else runtime.agreements
+            agreements = 0 if runtime is None else runtime.peers.agreements
             with count_reductions() as counts:
                 for step in range(1, steps + 1):
                     idx, targets = models_eager.batch(step, rank, 12)
@@ -233,7 +234,8 @@ def _reduce_bytes(steps):
             result = out[precision][name] = {"bytes": counts.reduce_scatter_bytes + counts.all_reduce_bytes,
                                              "reduce_scatter_bytes": counts.reduce_scatter_bytes, "grad_norms": norms}
             if runtime is not None:  # each graph's agreement: a float32 a rank, all-reduced (runtime/agreement.py)
-                result["agreement_bytes"] = (runtime.agreements - agreements) * 4 * torch.distributed.get_world_size()
+                made = runtime.peers.agreements - agreements
+                result["agreement_bytes"] = made * 4 * torch.distributed.get_world_size()
             if name != "eager":
                 from deepspeed.compile.report import engine_report
                 report = engine_report(engine) or {}

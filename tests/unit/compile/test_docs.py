@@ -121,7 +121,7 @@ def test_every_config_key_is_documented_with_its_default():
 
 # ---- (c) paths and commands the docs name exist -----------------------------------------------------------------
 TOP_LEVEL = r"(?:\.ci|benchmarks|csrc|deepspeed|docs|requirements|scripts|tests)"
-# a path from the repository root, or one inside the package as the docs write them (`capture/regions.py`)
+# a path from the repository root, or one inside the package as the docs write them (`driver/regions.py`)
 ROOT_PATH = re.compile(rf"(?<![\w./-]){TOP_LEVEL}/[\w./*-]*[\w/*]|(?<![\w./-])(?:LICENSE|setup\.py|MANIFEST\.in)\b")
 PACKAGE_PATH = re.compile(r"(?<![\w./-])(?:capture|graph|native|passes|runtime|schedule)/\w+\.py\b")
 

@@ -90,7 +90,7 @@ def _pair(name, steps, seq_of_step, backend="eager", compile_kwargs=None, dynamo
         losses = []
         for step in range(steps):
             losses.append(_train_one(engine, name, step, seq_of_step, out["grads"]))
-            live.append(runtime.counters.live_gathered_bytes)
+            live.append(runtime.counters.gather.live_gathered_bytes)
             if step == 0:  # graphs compiled by the end of the first step, each direction counted (forward, backward)
                 out["compiled_after_first"] = len(state_of(engine, active_only=False).stats.collective_orders)
                 out["master_after_first"] = full_params(engine)
@@ -102,9 +102,9 @@ def _pair(name, steps, seq_of_step, backend="eager", compile_kwargs=None, dynamo
     out["active"] = engine.is_deepcompile_active()
     out["graphs"] = state_of(engine, active_only=False).stats.graphs_compiled
     out["compiled"] = len(state_of(engine, active_only=False).stats.collective_orders)
-    out["eager_gathers"] = runtime.counters.eager_gathers
+    out["eager_gathers"] = runtime.counters.gather.eager_gathers
     out["eager_reasons"] = engine_report(engine)["eager_reasons"]
-    out["gathers"] = runtime.counters.gathers  # by the compiled graphs
+    out["gathers"] = runtime.counters.gather.gathers  # by the compiled graphs
     out["live_after_step"] = live
     engine.destroy()
     return out
@@ -302,7 +302,7 @@ def _standin_read():
     except StandinReadError as err:
         message = str(err)
     return {"nan": bool(torch.isnan(out).item()), "message": message,
-            "live": runtime.counters.live_gathered_bytes}
+            "live": runtime.counters.gather.live_gathered_bytes}
 
 
 def test_computing_with_a_standin_raises_naming_the_parameter():
@@ -361,7 +361,7 @@ def _outside_calls():
                 r["held"] = (embedding.weight.ds_status.name,
                              torch.equal(looked_up, torch.nn.functional.embedding(ids, embedding.weight)))
             r["active"] = engine.is_deepcompile_active()
-            r["live_after"] = runtime_of(engine).counters.live_gathered_bytes
+            r["live_after"] = runtime_of(engine).counters.gather.live_gathered_bytes
             r["sharded"] = all(p.ds_status.name == "NOT_AVAILABLE" for p in engine.module.parameters())
         out[deepcompile] = r
         engine.destroy()
@@ -371,7 +371,7 @@ def _outside_calls():
 def test_submodules_called_outside_the_forward_run_as_in_eager_zero3():
     """Eager ZeRO-3 gathers a module's parameters whenever it is called; with its hooks off, such calls computed
     with ZeRO-3's empty parameters ("'weight' must be 2-D"). Now each runs as a forward of its own
-    (``Z3Runtime._install_outside_hooks``). Losses (the last one depends on the outside embedding's gradient) within
+    (``z3_outside.OutsideCalls``). Losses (the last one depends on the outside embedding's gradient) within
     1e-6 relative, and the outputs between steps within 1e-6 of their largest magnitude (measured 0 to 1e-7, and
     1e-7 and 3e-7): this model's joint graph sums some gradients in another order than eager autograd
     (test_trainer_style.py), and AdamW turns that round-off into parameters that differ in their last bits after
@@ -396,7 +396,7 @@ def test_a_block_trampoline_break_is_named_as_regions_blocks():
     iteration of transformers' output capturing does for a ViT); the runtime names it as what it is."""
     import torch
     from torch._dynamo.utils import counters
-    from deepspeed.compile.capture import regions
+    from deepspeed.compile.driver import regions
     from deepspeed.compile.runtime.eager_access import BLOCK_TRAMPOLINE_REASON, _dynamo_reasons
     torch._dynamo.reset()
     counters.clear()

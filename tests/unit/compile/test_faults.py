@@ -102,7 +102,7 @@ def _compile_fails_on_rank_1(direction: str, host_comm: str, stage: int, section
     """Rank 1's compile of its first ``direction`` graph fails (an injected error; a backward is compiled by
     AOTAutograd lazily, inside the first ``backward()``), rank 0's succeeds. Both must stop in that step, rank 0
     naming rank 1 and the cause, and both then train as eager ZeRO."""
-    from deepspeed.compile.capture import compiler
+    from deepspeed.compile.driver import compiler
     from models import ds_config, make_batch
     from training import make_engine, train
     rank = torch.distributed.get_rank()
@@ -170,9 +170,9 @@ def _agreements_a_step() -> dict:
         state = engine._deepspeed_compile
         counts = []
         for step in (1, 2):
-            before = state.runtime.agreements
+            before = state.runtime.peers.agreements
             train(engine, "gpt", 1, first_step=step)
-            counts.append(state.runtime.agreements - before)
+            counts.append(state.runtime.peers.agreements - before)
         found[regions] = (counts, state.stats.graphs_compiled)
         engine.destroy()
     return found
@@ -241,7 +241,7 @@ def _check_stopped_together(results: list, host_comm: str, own: str, named: str)
 
 
 def _fail_second_compile_on_rank_1(rank: int) -> list:
-    from deepspeed.compile.capture import compiler
+    from deepspeed.compile.driver import compiler
     compiles = []
     original = compiler.GraphCompiler._compile_forward
 

@@ -116,12 +116,12 @@ def test_zeropp_options_deepcompile_does_not_apply_are_named():
 
 
 def test_activation_checkpointing_settings_a_compiled_checkpoint_does_not_follow_are_named():
-    """DeepSpeed's checkpoint functions are compiled as torch's (``capture/ds_checkpointing.py``): host offload and
+    """DeepSpeed's checkpoint functions are compiled as torch's (``integrations/ds_checkpointing.py``): host offload and
     partitioning of the checkpointed inputs are named in the warning ``engine.compile()`` logs; recomputation-only
     settings are not."""
     from types import SimpleNamespace
     from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
-    from deepspeed.compile.capture.ds_checkpointing import unsupported_settings
+    from deepspeed.compile.integrations.ds_checkpointing import unsupported_settings
 
     def named(section):
         config = DeepSpeedActivationCheckpointingConfig({"activation_checkpointing": section})
@@ -141,7 +141,7 @@ def test_deepspeed_checkpoint_is_traced_only_inside_a_deepcompile_forward():
     import deepspeed
     import torch._dynamo.testing
     from torch._dynamo.utils import counters
-    from deepspeed.compile.capture import ds_checkpointing
+    from deepspeed.compile.integrations import ds_checkpointing
     ds_checkpointing.install()
     torch.manual_seed(0)
     linear = torch.nn.Linear(4, 4)
@@ -164,7 +164,7 @@ def test_deepspeed_checkpoint_is_traced_only_inside_a_deepcompile_forward():
 
 
 def test_regions_blocks_is_refused_where_it_cannot_serve():
-    from deepspeed.compile.capture import regions
+    from deepspeed.compile.driver import regions
     from models import make_model
     assert len(regions.repeated_blocks(make_model("gpt"))) == 2  # the test GPT's two blocks
     with pytest.raises(ValueError, match="regions='blocks': the model has no repeated blocks"):
@@ -176,16 +176,16 @@ def test_regions_blocks_warns_of_a_transformers_kv_cache():
     """A transformers model that keeps its config's use_cache=True compiles its block once per layer (each layer
     updates its own cache entry, and dynamo guards on it): blocks mode says so, and how to avoid it."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from deepspeed.compile.capture import regions
+    from deepspeed.compile.integrations import transformers as integration
     from models import make_model
 
     def llama(use_cache):
         return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                             num_attention_heads=2, use_cache=use_cache))
 
-    assert "use_cache = False" in regions.kv_cache_warning(llama(True))
-    assert regions.kv_cache_warning(llama(False)) is None
-    assert regions.kv_cache_warning(make_model("gpt")) is None
+    assert "use_cache = False" in integration.kv_cache_warning(llama(True))
+    assert integration.kv_cache_warning(llama(False)) is None
+    assert integration.kv_cache_warning(make_model("gpt")) is None
 
 
 # ----- 2 ranks ---------------------------------------------------------------------------------------------

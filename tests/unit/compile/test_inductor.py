@@ -128,9 +128,9 @@ def _accumulation_and_checkpoint(ckpt_dir):
     engine.load_checkpoint(ckpt_dir, tag="inductor")
     out["restored_unequal"] = unequal(saved, full_params(engine))
     out["active_after_load"] = engine.is_deepcompile_active()
-    gathers = runtime_of(engine, active_only=False).counters.gathers
+    gathers = runtime_of(engine, active_only=False).counters.gather.gathers
     out["after_load"] = train(engine, "gpt", 2, first_step=2)
-    out["gathers_after_load"] = runtime_of(engine, active_only=False).counters.gathers - gathers
+    out["gathers_after_load"] = runtime_of(engine, active_only=False).counters.gather.gathers - gathers
     return out
 
 
@@ -334,7 +334,7 @@ def test_compile_record_is_keyed_on_the_calling_context():
     """One dynamo graph compiles differently under autocast or without grad (torch's AOTAutograd key covers both;
     DeepSpeed's torch_autocast enters autocast outside the compiled frame, so fp32 and autocast engines trace the
     same code): each gets its own compile record, or a warm process would report one's figures for the other."""
-    from deepspeed.compile.capture import cache
+    from deepspeed.compile.driver import cache
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     inputs = [torch.ones(2)]
     keys = {"plain": cache.record_key("k", gm, inputs)}
@@ -372,7 +372,7 @@ def test_compile_record_of_a_dynamic_graph_is_keyed_on_its_symbolic_shapes():
     AOTAutograd cache without its compile record", its engine_report short of that graph (measured with Hugging
     Face's Trainer, inductor, 2 ranks: 2 graphs compiled on one rank, 3 on the other). Also in a warm process whose
     first length is not the cold one's."""
-    from deepspeed.compile.capture import cache
+    from deepspeed.compile.driver import cache
     (static_8, _), (dynamic_9, inputs_9) = _dynamo_graphs([8, 9])
     (static_10, _), (dynamic_11, inputs_11) = _dynamo_graphs([10, 11])
     assert [t.shape[1] for t in (inputs_9[1], inputs_11[1])] == [9, 11]  # the compiling calls' own lengths

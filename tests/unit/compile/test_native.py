@@ -188,8 +188,8 @@ def _rank_fallback_when_unbuildable() -> List[str]:
 
 def _rank_cuda_collective_forms() -> Dict[str, tuple]:
     """The ZeRO-3 runtime's collectives in the forms it takes on CUDA, run here on gloo: each run of gathers started
-    through the native op's start form (``GatherRuns.native_start``, on only for CUDA parameters) and each gradient
-    bucket reduce-scattered (``GradientReducer._all_reduce`` off, as on NCCL), then in the gloo forms (a run received
+    through the native op's start form (``Transport.native_start``, on only for CUDA parameters) and each gradient
+    bucket reduce-scattered (``Transport.reduce_scatter_by_all_reduce`` off, as on NCCL), then in the gloo forms (a run received
     as rows of one all-gather, a bucket all-reduced in place). GPT under autocast (runs cast to bf16 before they are
     sent), a 3000-element prefetch bucket (runs of several parameters, the next started ahead), eager backend, SGD;
     and eager ZeRO-3 on the same data (under autocast and, for the bound, fp32), as the reference for the CUDA forms."""
@@ -221,8 +221,8 @@ def _rank_cuda_collective_forms() -> Dict[str, tuple]:
                                                   "autocast", optimizer="sgd", zero_overrides=overrides))
             engine.compile(backend="eager")
             runtime = runtime_of(engine)
-            runtime.runs.native_start = forms == "cuda"
-            runtime.reducer._all_reduce = forms == "gloo"
+            runtime.transport.native_start = forms == "cuda"
+            runtime.transport.reduce_scatter_by_all_reduce = forms == "gloo"
             record_gathered_timeline(engine)
             first_id = min(runtime.params)  # each engine numbers its parameters on from the last one's
             record = train_and_record(engine, "gpt", 3, grad_steps=1)

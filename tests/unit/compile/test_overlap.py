@@ -2,6 +2,7 @@
 """Coalesced, prefetched gathers: the static memory plan counts the collectives in flight, and the runtime's measured
 peak of live gathered bytes (which counts their receive buffers too) stays at or below it; parameters kept gathered
 from forward to backward within ``compile.keep_gathered_bytes`` are not gathered again in backward."""
+from types import SimpleNamespace
 from typing import Dict, List
 
 import pytest
@@ -93,23 +94,26 @@ def _rank_gather_runs(through_shm: bool) -> Dict:
     z3_runs.GATHER_CHUNK_NUMEL = 1200  # several chunks a run
     comm = CommLog(timeout_s=60)
     # slots of 500 fp32 elements: a chunk (600 of a rank's elements, or a 700- or 1000-element shard alone) spans two
-    host = HostComm(None, 4 * 500, 64, gather_slots=2).gather if through_shm else None
+    host = HostComm(None, 4 * 500, 64, gather_slots=2) if through_shm else None
     got = {}
 
-    def add(param, dtype, flat, shard):
+    def add(param, dtype, flat, refs, shard):
         got[(param.ds_id, dtype)] = flat.clone()
         comm.add_live_bytes(flat.numel() * flat.element_size(), eager=False)  # as the runtime counts it
 
-    runs = z3_runs.GatherRuns(params, {i: f"p{i}" for i in params}, group=None, world_size=world,
-                              device=torch.device("cpu"), shards_offloaded=False, native_start=False,
-                              prefetch_across_graphs=False, comm=comm, host=host,
-                              is_gathered=lambda key: key in got, add_gathered=add, name=lambda p: f"p{p.ds_id}")
+    # the runs' parts, as the runtime's (ShardedParams, Transport, GatheredBuffers) present themselves to them
+    table = SimpleNamespace(params=params, names={i: f"p{i}" for i in params}, offloaded=False,
+                            name=lambda p: f"p{p.ds_id}")
+    transport = SimpleNamespace(group=None, world_size=world, device=torch.device("cpu"), host=host,
+                                native_start=False)
+    runs = z3_runs.GatherRuns(table, transport, comm, SimpleNamespace(add=add), is_gathered=lambda key: key in got,
+                              prefetch_across_graphs=False)
     runs.run(encode_plan(first, second), 0, params[0])  # gathers the first run, starts the second
     started_ahead = runs.has_inflight
     runs.finish_inflight()
-    out = {"got": got, "live": comm.counters.live_gathered_bytes, "started_ahead": started_ahead,
-           "collectives": comm.counters.allgather_collectives, "through_shm": 0 if host is None else host._next,
-           "paths": comm.counters.allgather_collectives_by_path}
+    out = {"got": got, "live": comm.counters.gather.live_gathered_bytes, "started_ahead": started_ahead,
+           "collectives": comm.counters.gather.allgather_collectives,
+           "through_shm": 0 if host is None else host.gather._next, "paths": comm.counters.gather.allgather_collectives_by_path}
     out["expected"] = {(ds_id, dtype or torch.float32): torch.cat([shard(ds_id, r) for r in range(world)]).to(dtype or torch.float32)
                        for ds_id, dtype in first + second}
     return out

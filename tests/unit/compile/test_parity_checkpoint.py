@@ -32,7 +32,7 @@ def _cross_load(ckpt_dir):
         train(engine, "gpt", TRAIN)
         if compiled:  # what saves the checkpoint ran DeepCompile's graphs, not a fallback
             saver = {"active": engine.is_deepcompile_active(),
-                     "gathers": runtime_of(engine, active_only=False).counters.gathers}
+                     "gathers": runtime_of(engine, active_only=False).counters.gather.gathers}
         engine.save_checkpoint(ckpt_dir, tag=tag)
         saved[tag] = full_params(engine)
         continued[tag] = (train(engine, "gpt", MORE, first_step=TRAIN), full_params(engine))
@@ -47,7 +47,7 @@ def _cross_load(ckpt_dir):
         losses = train(engine, "gpt", MORE, first_step=TRAIN)
         loaded.update(losses_equal=losses == continued[tag][0], losses=(losses, continued[tag][0]),
                       params_unequal=unequal(full_params(engine), continued[tag][1]),
-                      gathers=runtime.counters.gathers if runtime is not None else None)
+                      gathers=runtime.counters.gather.gathers if runtime is not None else None)
         out[f"{tag} -> {'deepcompile' if compiled else 'eager'}"] = loaded
         engine.destroy()
     return out

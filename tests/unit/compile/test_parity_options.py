@@ -58,7 +58,7 @@ def _offload_against_eager():
     eager = run_eager("gpt", STEPS, grad_steps=2, **OFFLOAD)
 
     def take_copy_path(engine):
-        runtime_of(engine).runs.shards_offloaded = True
+        runtime_of(engine).shards.offloaded = True
 
     for name, after_compile in (("offload", None), ("offload_copied", take_copy_path)):
         warnings = RecordWarnings()

@@ -46,7 +46,7 @@ def _eval_between_steps(compile_section, grad_mode: str, persistence_threshold: 
 
     def evaluate():
         before = buffers(engine)
-        gathers = runtime.counters.gathers if runtime else 0
+        gathers = runtime.counters.gather.gathers if runtime else 0
         engine.eval()
         with getattr(torch, grad_mode)():
             eval_loss = engine(*make_batch("buffers", 999, rank))
@@ -56,8 +56,8 @@ def _eval_between_steps(compile_section, grad_mode: str, persistence_threshold: 
         engine.train()
         out["buffers_around_eval"].append((before, buffers(engine)))
         if runtime:
-            out["eval_gathers"].append(runtime.counters.gathers - gathers)
-            out["live_after_eval"].append(runtime.counters.live_gathered_bytes)
+            out["eval_gathers"].append(runtime.counters.gather.gathers - gathers)
+            out["live_after_eval"].append(runtime.counters.gather.live_gathered_bytes)
 
     evaluate()
     for step in range(4):
@@ -65,7 +65,7 @@ def _eval_between_steps(compile_section, grad_mode: str, persistence_threshold: 
         engine.backward(loss)
         out["grads"].append(full_grads(engine))
         if runtime:
-            out["live_after_backward"].append(runtime.counters.live_gathered_bytes)
+            out["live_after_backward"].append(runtime.counters.gather.live_gathered_bytes)
         engine.step()
         out["losses"].append(loss.item())
         if step in (1, 3):
@@ -459,7 +459,7 @@ def _deepspeed_checkpointing_runs():
 def test_deepspeed_activation_checkpointing_is_compiled_and_matches_eager_zero3():
     """Each block under ``deepspeed.checkpointing.checkpoint``, which DeepSpeed hides from dynamo: the blocks ran
     eagerly, every parameter gathered on access and held until backward ended. Traced as torch's checkpoint inside a
-    DeepCompile forward (``capture/ds_checkpointing.py``), the blocks are compiled, their parameters gathered by the
+    DeepCompile forward (``integrations/ds_checkpointing.py``), the blocks are compiled, their parameters gathered by the
     graph, and their activations recomputed in backward (the graph saves less than the same model's without
     checkpointing). Eager ZeRO-3 runs DeepSpeed's own function: bitwise the same arithmetic. The same at ZeRO-2,
     where the blocks' gradients came from eager code before; for a checkpoint called as Megatron-DeepSpeed calls it
@@ -683,7 +683,7 @@ def _two_engines():
     runtimes = {seed: runtime_of(engine, active_only=False) for seed, engine in engines.items()}
     return {seed: (losses[seed] == reference[seed][0],
                    all(torch.equal(full_params(engines[seed])[k], v) for k, v in reference[seed][1].items()),
-                   engines[seed].is_deepcompile_active(), runtimes[seed].counters.gathers,
+                   engines[seed].is_deepcompile_active(), runtimes[seed].counters.gather.gathers,
                    runtimes[seed].eager._warned_reuse)
             for seed in (0, 1)}
 
@@ -730,8 +730,8 @@ def _dynamic_run(compile_section):
                         lambda step: make_batch("buffers", step, dist.get_rank(), batch=BATCH_SIZES[step]))
     runtime = runtime_of(engine, active_only=False)
     out.update(params=full_params(engine), buffers=buffers(engine), active=engine.is_deepcompile_active(),
-               gathers=runtime.counters.gathers if runtime else 0,
-               eager_gathers=runtime.counters.eager_gathers if runtime else 0)
+               gathers=runtime.counters.gather.gathers if runtime else 0,
+               eager_gathers=runtime.counters.gather.eager_gathers if runtime else 0)
     engine.destroy()
     return out
 
@@ -787,7 +787,7 @@ def _moe_run(name, compile_section):
     out["routes"] = routes
     runtime = runtime_of(engine, active_only=False)
     out.update(params=full_params(engine), active=engine.is_deepcompile_active(),
-               gathers=runtime.counters.gathers if runtime else 0)
+               gathers=runtime.counters.gather.gathers if runtime else 0)
     engine.destroy()
     return out
 

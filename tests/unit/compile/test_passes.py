@@ -382,7 +382,7 @@ def test_eager_backend_runs_a_graph_in_its_own_heap_frame():
     error inside it raised as it is, its traceback showing the graph's source line."""
     import inspect
     import traceback
-    from deepspeed.compile.capture.eager_code import boxed_eager
+    from deepspeed.compile.driver.eager_code import boxed_eager
     x, y = torch.randn(3), torch.randn(3)
     run = boxed_eager(_graph_calling(_record_caller))
     args = [x, y]
@@ -401,7 +401,7 @@ def test_eager_graph_code_fx_runs_fx_code_as_it_is():
     tracebacks), boxed, with the same result as ``"direct"``; anything else is refused naming the option."""
     import inspect
     import traceback
-    from deepspeed.compile.capture.eager_code import boxed_eager
+    from deepspeed.compile.driver.eager_code import boxed_eager
     x, y = torch.randn(3), torch.randn(3)
     _callers.clear()
     run = boxed_eager(_graph_calling(_record_caller), "fx")
@@ -422,7 +422,7 @@ def test_eager_backend_calls_aten_ops_past_their_python_wrapper():
     calls ``aten_mul_Tensor(...)``, not ``torch.ops.aten.mul.Tensor(...)``, with the same result; an alias that a
     graph's own local would shadow is left as FX wrote it."""
     import linecache
-    from deepspeed.compile.capture.eager_code import heap_frame_function
+    from deepspeed.compile.driver.eager_code import heap_frame_function
     x, y = torch.randn(3), torch.randn(3)
 
     def source(gm: GraphModule):

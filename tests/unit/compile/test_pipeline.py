@@ -173,10 +173,10 @@ def _checkpoint_round_trip(ckpt_root, section):
     restored = unequal(saved, full_params(engine))
     active_after_load = engine.is_deepcompile_active()
     gathers_before = runtime_of(engine, active_only=False)
-    gathers_before = gathers_before.counters.gathers if gathers_before is not None else None
+    gathers_before = gathers_before.counters.gather.gathers if gathers_before is not None else None
     after_load = train(engine, "gpt", 3, first_step=3)
     runtime = runtime_of(engine, active_only=False)
-    gathered_after_load = None if runtime is None else runtime.counters.gathers - gathers_before
+    gathered_after_load = None if runtime is None else runtime.counters.gather.gathers - gathers_before
     from compare import shm_unavailable
     transport = None if runtime is None else {"host_comm": runtime.host_comm, "shm_unavailable": shm_unavailable(engine)}
     return after_save, after_load, restored, active_after_load, gathered_after_load, transport
@@ -337,7 +337,7 @@ def _collective_orders(backend):
     record_gathered_timeline(engine)
     train(engine, "gpt", 3)
     return {"static": collective_orders(engine), "issued": issued_collectives(engine),
-            "ahead": runtime_of(engine).counters.runs_started_ahead}
+            "ahead": runtime_of(engine).counters.gather.runs_started_ahead}
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
@@ -390,7 +390,7 @@ def _gather_timeout(native_op, flag, prefetch_bucket=0):
     dist.barrier()
     # the agreement before the graph's first collective (runtime/agreement.py) would time out first: not the wait
     # under test here
-    runtime_of(engine).agree = lambda code, cause="": None
+    runtime_of(engine).peers.agree = lambda code, cause="": None
     if dist.get_rank() == 1:
         # never joins the next gather, and stays alive until rank 0 is done (so it sees a timeout, not a hang-up)
         deadline = time.monotonic() + 20

@@ -170,7 +170,7 @@ def _eager_backend_cases(steps):
 def test_eager_backend_fp32_with_and_without_gradient_checkpointing():
     """With Hugging Face gradient checkpointing, every decoder layer is a checkpointed region whose attention sets and
     resets a module-level variable (``transformers`` 5.25 with ``kernels``): without DeepCompile tracing that side
-    effect (``capture/ds_checkpointing.py``), dynamo broke the graph at each layer and the layers ran eagerly (10
+    effect (``integrations/ds_checkpointing.py``), dynamo broke the graph at each layer and the layers ran eagerly (10
     graphs, 56 parameters gathered on access, no run started ahead), which the collective check catches. The
     checkpointed models have ``use_cache=True``, as pretrained configs do: each layer logs that it turns the cache
     off (``warning_once``), and dynamo broke the graph at that call too (4 graphs where 2 are compiled now, the model
@@ -773,7 +773,7 @@ def _two_forwards_one_backward(steps: int):
             losses += [loss_a.item(), loss_b.item()]
             grad_norms.append(float(engine.get_global_grad_norm()))
             runtime = runtime_of(engine)
-            live.append(runtime.counters.live_gathered_bytes if runtime else 0)
+            live.append(runtime.counters.gather.live_gathered_bytes if runtime else 0)
         from deepspeed.compile.report import engine_report
         report = engine_report(engine)
         from compare import compiled_record

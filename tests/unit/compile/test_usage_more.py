@@ -201,12 +201,12 @@ def _checkpoint_round_trip(ckpt_dir: str, case: str, section) -> Dict[str, Any]:
            "persistent": sum(bool(p.ds_persist) for p in engine.module.parameters()),
            "before_save": before_save, "after_save": after_save, "params_saved": saved["params"]}
     runtime = runtime_of(engine, active_only=False)
-    gathers = runtime.counters.gathers if runtime else 0
+    gathers = runtime.counters.gather.gathers if runtime else 0
     out["after_load"] = _ckpt_steps(engine, dtype, range(2, 5))
     out["params"] = full_params(engine)
     if section:
         out.update(record=compiled_record(engine), active_after_load=engine.is_deepcompile_active(),
-                   gathers_after_load=runtime.counters.gathers - gathers)
+                   gathers_after_load=runtime.counters.gather.gathers - gathers)
     engine.destroy()
     fresh = _engine("mlp", config)
     # ZeRO-3 keeps the weights in its optimizer's files: stock DeepSpeed reads them from there only when told not to

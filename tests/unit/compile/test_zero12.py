@@ -240,7 +240,7 @@ def test_graph_break_and_eager_block_match_eager_zero_bitwise(stage_results, how
     """With ``how="embedding"`` the compiled backward produces the tied weight's gradient from the head first and
     autograd accumulates the embedding's after it: ZeRO-2 had already reduced the first and raised ("got a gradient
     from eager code after ZeRO-2 had reduced its gradient"); the graph call now finds the eager use behind its input
-    and the weight is handed to ZeRO once, with both gradients summed (``Z12Runtime._note_eager_uses``)."""
+    and the weight is handed to ZeRO once, with both gradients summed (``GradientHandOff.note_eager_uses``)."""
     from compare import unequal
     stage, results = stage_results
     for out in results:

@@ -27,9 +27,10 @@ from ..config import CompileConfig
 from ..graph import rewrite
 from . import cache
 from .eager_code import boxed_eager
-from ..graph.nodes import META_DS_ID, is_gather, is_reduce, joint_primals, placeholders
+from .stages import graphs_of
+from ..graph.nodes import META_DS_ID, is_gather, is_reduce, joint_primals
 from ..runtime.ops import PLAIN_CALLS, UNTRACED_CALLS
-from ..graph.recompute import choose_kept_by_reuse, choose_kept_params, tag_param_aliases_pass
+from ..graph.recompute import tag_param_aliases_pass
 from ..graph.runner import run_passes
 from ..graph.saved import SavedBytes, saved_for_backward
 from ..schedule.fast_free import fast_free_schedule
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class CompileStats:
     """What compiling an engine's graphs found, summed over its graphs (``report.engine_report`` reads it). A graph
-    loaded from torch's AOTAutograd cache adds what compiling it found, from its record (``capture/cache.py``)."""
+    loaded from torch's AOTAutograd cache adds what compiling it found, from its record (``driver/cache.py``)."""
     saved: SavedBytes = field(default_factory=SavedBytes)  # saved-for-backward bytes of the forward graphs
     graphs_compiled: int = 0  # forward graphs, compiled here or loaded
     graphs_loaded: int = 0  # of those, loaded from torch's AOTAutograd cache: our compilers did not run for them
@@ -74,26 +75,27 @@ class GraphCompiler:
 
     def __init__(self, runtime, stats: CompileStats, config: CompileConfig, backend: str,
                  param_ds_ids: List[Optional[int]], on_failure: Optional[Callable[[BaseException, bool], None]] = None,
-                 grad_keys: Optional[List[Optional[int]]] = None, inductor_config: Optional[Dict[str, Any]] = None):
+                 grad_ds_ids: Optional[List[Optional[int]]] = None, inductor_config: Optional[Dict[str, Any]] = None):
         self.runtime = runtime
+        self.stage_graphs = graphs_of(runtime)  # what this stage does differently (driver/stages.py)
         self.inductor_config = inductor_config or {}  # compile_kwargs' mode and options, resolved
         self.stats = stats
         self.on_failure = on_failure
         self.config = config
         self.backend = backend
         self.param_ds_ids = param_ds_ids  # per graph input (= per joint primal): ds_id of a gathered one, or None
-        # per graph input: the runtime's key of the parameter whose gradient the backward reduces, or None
-        self.grad_keys = param_ds_ids if grad_keys is None else grad_keys
+        # per graph input: the ds_id of the parameter whose gradient the backward reduces, or None
+        self.grad_ds_ids = param_ds_ids if grad_ds_ids is None else grad_ds_ids
         self.num_fwd_outputs: Optional[int] = None
         self.escaped: Dict[str, int] = {}
         self.kept = 0  # bytes of parameters this graph keeps gathered for backward
         self.compiled = False  # set by the forward compiler: False after AOTAutograd means torch loaded the graph
-        self.record: Optional[str] = None  # name of this graph's compile record (capture/cache.py), when caching
+        self.record: Optional[str] = None  # name of this graph's compile record (driver/cache.py), when caching
 
     # --- partition ---------------------------------------------------------------------------------------
     def partition(self, joint: GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         """AOTAutograd's partition step. Under inductor it runs as inductor's custom partitioner
-        (``capture/cache.Partitioner``), after inductor's own joint-graph passes (pattern rewrites, no-op removal)
+        (``driver/cache.Partitioner``), after inductor's own joint-graph passes (pattern rewrites, no-op removal)
         as plain torch.compile runs them: without them the partition saves more for backward than torch.compile's."""
         kwargs.pop("compiler", None)  # inductor names itself; both partitions below compile for any backend
         start = time.perf_counter()
@@ -110,40 +112,14 @@ class GraphCompiler:
             if ds_id is not None:
                 node.meta[META_DS_ID] = ds_id
         self.num_fwd_outputs = num_fwd_outputs
-        if self.runtime.stage != 3:  # replicated parameters: each reduce is handed its parameter, as ZeRO-3's are
-            rewrite.mark_param_grads_pass(joint, num_fwd_outputs=num_fwd_outputs,
-                                          grad_inputs=[i for i, key in enumerate(self.grad_keys) if key is not None])
+        self.stage_graphs.prepare_joint(joint, num_fwd_outputs, self.grad_ds_ids)
         if self.config.partitioner == "min_cut":
-            kept = self.choose_kept(joint) if self.runtime.stage == 3 else {}
+            kept = self.stage_graphs.kept(self, joint)
             self.kept = sum(kept.values())
             tag_param_aliases_pass(joint, keep=frozenset(kept))
             return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                        **kwargs)
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-
-    def choose_kept(self, joint: GraphModule) -> Dict[int, int]:
-        """The parameters ``compile.keep_gathered_bytes`` keeps gathered for backward in this joint graph: ds_id ->
-        gathered bytes."""
-        keep = self.keep_key()
-        if isinstance(keep, tuple):
-            _, max_reuse_distance, prefetch_window, outside = keep
-            return choose_kept_by_reuse(joint, max_reuse_distance, outside, prefetch_window)
-        budget = keep - self.stats.kept_gathered_bytes
-        return choose_kept_params(joint, budget) if budget > 0 else {}
-
-    def keep_key(self):
-        """What decides this graph's kept parameters besides the graph: ``("reuse_distance",
-        stage3_max_reuse_distance, eager ZeRO-3's prefetch window, elements of the sharded parameters outside this
-        graph)``, or
-        ``compile.keep_gathered_bytes`` in bytes (``"prefetch"``: one prefetch bucket of the parameters' dtype)."""
-        keep, runtime = self.config.keep_gathered_bytes, self.runtime
-        if runtime.stage != 3:  # replicated parameters: nothing is gathered
-            return 0
-        if keep == "reuse_distance":
-            inside = set(self.param_ds_ids)
-            outside = sum(p.ds_numel for ds_id, p in runtime.sharded.items() if ds_id not in inside)
-            return ("reuse_distance", runtime.max_reuse_distance, runtime.prefetch_window, outside)
-        return runtime.prefetch_bucket_bytes() if keep == "prefetch" else keep
 
     # --- forward / backward ------------------------------------------------------------------------------
     def _common_passes(self):
@@ -189,7 +165,7 @@ class GraphCompiler:
             if self.on_failure is not None:
                 # the peers' backward, where it gathers or reduces, agrees before its first collective
                 gathered = [ds_id for ds_id in self.param_ds_ids if ds_id is not None]
-                self.on_failure(err, pairs_across_ranks(gathered, self.grad_keys, True))
+                self.on_failure(err, pairs_across_ranks(gathered, self.grad_ds_ids, True))
             raise RuntimeError(f"deepspeed-compile: compiling a backward graph failed ({type(err).__name__}: {err}). "
                                "This step's backward cannot run: skip it (do not call engine.step()); the engine "
                                "runs uncompiled eager ZeRO-3 from the next forward on") from err
@@ -200,7 +176,7 @@ class GraphCompiler:
         rewrite.mark_escaped_inputs(gm, self.escaped)
         rid = self.runtime.id
         passes = [("insert_reduces", functools.partial(rewrite.insert_reduces_pass, runtime_id=rid,
-                                                       grad_ds_ids=self.grad_keys))]
+                                                       grad_ds_ids=self.grad_ds_ids))]
         gm = run_passes(gm, passes + self._common_passes(), self.stats.pass_times)
         self._account("backward", gm)
         return self._finish(gm, example_inputs, is_backward=True, is_inference=False)
@@ -231,8 +207,7 @@ class GraphCompiler:
         in order. Eager: a ZeRO-1/2 backward's weight gradients fused with their reduces, then each op called as the
         plain function behind it. Inductor: reduces deferred past fusible code, the fusion, the collectives' order
         made a data dependency (inductor may not reorder them), then each op called as its untraced twin."""
-        fused = [("fuse_matmul_reduces", rewrite.fuse_matmul_reduces_pass)] if (
-            is_backward and self.runtime.stage != 3 and self.config.fused_matmul_reduce) else []
+        fused = self.stage_graphs.lowering(is_backward, self.config)
         if self.backend == "eager":
             # nothing traces or differentiates the graph any more: the dispatcher's custom-op path would be overhead
             return fused + [("plain_calls", functools.partial(rewrite.retarget_calls_pass, targets=PLAIN_CALLS))]
@@ -267,43 +242,10 @@ def collective_order(gm: GraphModule) -> List[Tuple[str, int]]:
     return [("gather" if is_gather(n) else "reduce", n.args[2]) for n in gm.graph.nodes if is_gather(n) or is_reduce(n)]
 
 
-def bind_to_traced_params(compiled: Callable, uncompiled: GraphModule, traced: Dict[int, torch.nn.Parameter],
-                          runtime) -> Callable:
-    """A ZeRO-3 graph that hands a parameter back as it is bakes that parameter's ds_id into its reduce (the gradient
-    arrives as a backward input, with no stand-in to name it), but dynamo guards a parameter input on its metadata only:
-    it reuses one compiled graph for every module instance of the same code (the blocks of a model whose top-level
-    frame it skipped, or regional compilation). A call with
-    the parameters the graph was traced with runs the compiled graph; a call with other parameters runs the dynamo
-    graph as traced, uncompiled, on those parameters (ZeRO-3 gathers them first, ``runtime.prepare_uncompiled``), so
-    it is still right: autograd then delivers their gradients through the runtime's eager gradient hooks."""
-    def matches(args) -> bool:
-        return all(args[i] is param for i, param in traced.items())
-
-    @torch._dynamo.disable(recursive=True)
-    def run_uncompiled(args):
-        runtime.prepare_uncompiled([args[i] for i in traced])
-        return uncompiled(*args)
-
-    def run(*args):
-        return compiled(*args) if matches(args) else run_uncompiled(args)
-
-    return run
-
-
-def count_grad_sources(compiled: Callable, runtime, grad_inputs: List[int]) -> Callable:
-    """ZeRO-1/2: each call of a compiled graph tells the runtime which trained parameters will get a gradient from
-    its backward, so that a parameter used by several graphs is handed to ZeRO once, with their sum."""
-    def run(*args):
-        runtime.note_graph_call(args, grad_inputs)
-        return compiled(*args)
-
-    return run
-
-
 def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Callable:
     """AOTAutograd with our partition and compilers. Under inductor the partition is inductor's custom partitioner,
     keyed on our source and settings, so torch's AOTAutograd cache may serve the graph (``compile.aot_cache``):
-    then our compilers do not run and the graph's compile record stands in for them (``capture/cache.py``)."""
+    then our compilers do not run and the graph's compile record stands in for them (``driver/cache.py``)."""
     if compiler.backend == "eager":
         aot = aot_autograd(fw_compiler=compiler.compile_forward, bw_compiler=compiler.compile_backward,
                            partition_fn=compiler.partition, keep_inference_input_mutations=True)
@@ -321,8 +263,8 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
     key = cache.compile_key(config=settings, stage=runtime.stage,
                             world=torch.distributed.get_world_size(),
                             runtime_id=runtime.id, gather_bucket_numel=runtime.gather_bucket_numel,
-                            keep=compiler.keep_key(), kept_before=stats.kept_gathered_bytes,
-                            ds_ids=compiler.param_ds_ids, grad_keys=compiler.grad_keys)
+                            keep=compiler.stage_graphs.keep_key(compiler), kept_before=stats.kept_gathered_bytes,
+                            ds_ids=compiler.param_ds_ids, grad_ds_ids=compiler.grad_ds_ids)
     fw, bw = compiler.compile_forward, compiler.compile_backward
     use_cache = compiler.config.aot_cache
     if use_cache:
@@ -359,15 +301,15 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             # the engine went back to eager ZeRO-3 (a failed compile): plain torch.compile from here on
             return gm.forward
         gathered: Dict[int, int] = {}
-        grad_keys: List[Optional[int]] = []
+        grad_ds_ids: List[Optional[int]] = []
         try:
             param_ds_ids = runtime.param_ds_ids(example_inputs)
-            grad_keys = runtime.grad_keys(example_inputs)
+            grad_ds_ids = runtime.grad_ds_ids(example_inputs)
             gathered = {i: ds_id for i, ds_id in enumerate(param_ds_ids) if ds_id is not None}
             uncompiled = GraphModule(gm, copy.deepcopy(gm.graph))  # the dynamo graph as traced, for other params
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()
-            compiler = GraphCompiler(runtime, stats, config, backend, param_ds_ids, on_failure, grad_keys,
+            compiler = GraphCompiler(runtime, stats, config, backend, param_ds_ids, on_failure, grad_ds_ids,
                                      inductor_config)
             # inductor's joint-graph passes, the forward, and the cache's key see them too
             with torch._inductor.config.patch(inductor_config):
@@ -377,26 +319,20 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             # dynamic shapes, a float scalar to be traced as a tensor); the next attempt compiles it
             raise
         except BaseException as err:
-            on_failure(err, pairs_across_ranks(gathered, grad_keys, torch.is_grad_enabled()))
+            on_failure(err, pairs_across_ranks(gathered, grad_ds_ids, torch.is_grad_enabled()))
             raise
-        if runtime.stage != 3:  # ZeRO-1/2: each call announces the gradients its backward will hand over
-            compiled = count_grad_sources(compiled, runtime, [i for i, key in enumerate(grad_keys) if key is not None])
-        elif any(META_DS_ID not in node.meta for i, node in enumerate(placeholders(gm.graph)) if i in gathered):
-            # a parameter handed back as it is: its gradient's reduce can only name the traced parameter
-            traced = {i: runtime.params[ds_id] for i, ds_id in gathered.items()}
-            compiled = bind_to_traced_params(compiled, uncompiled, traced, runtime)
-        # (ZeRO-3's ops find their parameters from the graph's inputs: the graph serves any module of the same code)
-        pairs = pairs_across_ranks(gathered, grad_keys, torch.is_grad_enabled())
-        return start_agreed(compiled, runtime) if pairs and runtime.agrees_now() else compiled
+        compiled = graphs_of(runtime).wrap(compiled, runtime, gm, gathered, grad_ds_ids, uncompiled)
+        pairs = pairs_across_ranks(gathered, grad_ds_ids, torch.is_grad_enabled())
+        return start_agreed(compiled, runtime) if pairs and runtime.peers.agrees_now() else compiled
 
     return compile_graph
 
 
-def pairs_across_ranks(gathered, grad_keys: Sequence[Optional[int]], grad_enabled: bool) -> bool:
+def pairs_across_ranks(gathered, grad_ds_ids: Sequence[Optional[int]], grad_enabled: bool) -> bool:
     """Whether a graph's runs issue collectives that every rank's run pairs with: it gathers (ZeRO-3), or its backward
-    hands gradients to ZeRO (``grad_keys``, with grad enabled). Others (a ZeRO-1/2 graph under ``no_grad``, as in an
+    hands gradients to ZeRO (``grad_ds_ids``, with grad enabled). Others (a ZeRO-1/2 graph under ``no_grad``, as in an
     evaluation on one rank) may run on some ranks only, and agree on nothing."""
-    return bool(gathered) or grad_enabled and any(key is not None for key in grad_keys)
+    return bool(gathered) or grad_enabled and any(key is not None for key in grad_ds_ids)
 
 
 def start_agreed(compiled: Callable, runtime) -> Callable:
@@ -405,12 +341,12 @@ def start_agreed(compiled: Callable, runtime) -> Callable:
     backward's start is when the first gradient reaches the graph's outputs, whether AOTAutograd compiled that
     backward or loaded it from its cache."""
     def run(*args):
-        runtime.graph_started()
+        runtime.peers.graph_started()
         out = compiled(*args)
         grads_to_come = [t for t in (out if isinstance(out, (list, tuple)) else (out, ))
                          if isinstance(t, torch.Tensor) and t.requires_grad]
         if grads_to_come:
-            torch.autograd.graph.register_multi_grad_hook(grads_to_come, lambda grad: runtime.graph_started(),
+            torch.autograd.graph.register_multi_grad_hook(grads_to_come, lambda grad: runtime.peers.graph_started(),
                                                           mode="any")
         return out
 

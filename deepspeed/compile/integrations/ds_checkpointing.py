@@ -36,11 +36,13 @@ as a graph a layer, with no gathers started ahead across layers. Inside a DeepCo
 ``warning_once`` (``ignore_logging_functions``): compiled frames do not print these notices (eager ZeRO-3 and
 frames dynamo runs as Python still do).
 """
-import logging
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
+
+from .. import effects
+from . import transformers
 
 _forwards = 0  # DeepCompile forwards running now; dynamo reads this (and guards on it) when it traces a substitute
 _installed = False
@@ -55,17 +57,10 @@ def deepcompile_forward() -> Iterator[None]:
     _forwards += 1
     try:
         with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True,
-                                        ignore_logging_functions=_ignored_logging()):
+                                        ignore_logging_functions=transformers.ignored_logging()):
             yield
     finally:
         _forwards -= 1
-
-
-def _ignored_logging() -> set:
-    """Dynamo's ignored logging functions, with ``transformers``' ``Logger.warning_once`` once it is installed."""
-    ignored = torch._dynamo.config.ignore_logging_functions
-    warning_once = getattr(logging.Logger, "warning_once", None)
-    return ignored if warning_once is None or warning_once in ignored else ignored | {warning_once}
 
 
 def _as_deepspeed_returns(outputs):
@@ -82,7 +77,7 @@ def _substitute(original: Callable) -> None:
     def run_deepspeeds(function, *args, **kwargs):
         return original(function, *args, **kwargs)
 
-    @torch._dynamo.substitute_in_graph(original, skip_signature_check=True)
+    @effects.substitute_in_graph(original)
     def traced(function, *args, **kwargs):
         if not _forwards:  # not a DeepCompile forward: DeepSpeed's own function, run eagerly as before
             return run_deepspeeds(function, *args, **kwargs)

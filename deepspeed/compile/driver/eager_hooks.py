@@ -8,8 +8,8 @@ own forward hooks and gradient all-reduce are switched by the engine itself (``_
 ZeRO-3 also replaces ``torch.nn.functional.linear`` for the whole process (``zero.Init``) with a wrapper whose
 autograd function gathers the weight in its backward; dynamo cannot trace that. It is left in place: dynamo is told
 (``torch.compiler.substitute_in_graph``) to trace it as the linear it computes, inside compiled graphs only, where
-the weight is the graph's own gather. Code run eagerly keeps ZeRO-3's wrapper. The substitution is registered once
-per process and holds for every engine alike, so no engine changes what another one sees.
+the weight is the graph's own gather. Code run eagerly keeps ZeRO-3's wrapper. The substitution (``effects.py``) is
+registered once per process and holds for every engine alike, so no engine changes what another one sees.
 
 Code outside the engine may put ZeRO-3's module hooks back while DeepCompile is active: TRL generates between
 training steps inside ``GatheredParameters`` and then calls the offload's ``_register_deepspeed_module`` again. Left
@@ -17,20 +17,11 @@ in place, those hooks would gather on top of the graphs' ops and, being new clos
 guards and recompile each step until dynamo gives up and runs the model eagerly. :func:`drop_reregistered` takes
 them off again before each forward.
 """
-import functools
-
-import torch
-from deepspeed.runtime.zero.linear import zero3_linear_wrap
 from deepspeed.utils import logger
 
+from .. import effects
+
 _OFF = "_dsc_eager_hooks_off"
-
-
-@functools.cache
-def trace_zero3_linear_as_linear() -> None:
-    @torch.compiler.substitute_in_graph(zero3_linear_wrap, skip_signature_check=True)
-    def _linear(input, weight, bias=None):
-        return torch._C._nn.linear(input, weight, bias)
 
 
 def _offload(engine):
@@ -42,7 +33,7 @@ def _offload(engine):
 
 
 def switch_off(engine) -> None:
-    trace_zero3_linear_as_linear()
+    effects.trace_zero3_linear_as_linear()  # once per process (effects.py)
     if getattr(engine, _OFF, False):
         return
     optimizer, offload = engine.optimizer, _offload(engine)

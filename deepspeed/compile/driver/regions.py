@@ -17,9 +17,9 @@ reads itself are gathered on access (``runtime/eager_access.py``).
 from typing import Callable, Dict, List, Optional
 
 import torch
-from deepspeed.utils import logger
 from torch import nn
 
+from ..adapters import ModuleForward
 from ..runtime.eager_access import BLOCK_TRAMPOLINE, gather_for_caller
 
 _TRAMPOLINE = "_dsc_block_trampoline"  # marks a block forward installed here
@@ -46,31 +46,15 @@ def check(module: nn.Module) -> None:
                          "modules of one class) to compile one by one; use regions='model'")
 
 
-def kv_cache_warning(module: nn.Module) -> Optional[str]:
-    """Why a ``transformers`` model whose config keeps ``use_cache=True`` compiles badly block by block, or None.
-    Training with a KV cache (the config's default) hands every layer the cache and the layer updates its own entry
-    (``layer_idx``): dynamo guards on that entry's state, so it compiles the block once per layer, and the layers past
-    ``torch._dynamo.config.recompile_limit`` run uncompiled."""
-    for sub in module.modules():
-        config = getattr(sub, "config", None)
-        if getattr(config, "use_cache", False) is True and hasattr(config, "num_hidden_layers"):
-            return (f"compile.regions='blocks': {type(sub).__name__}.config.use_cache is True. Training with a KV cache "
-                    "makes dynamo compile the block once per layer (each updates its own cache entry), and the layers "
-                    f"past torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) run "
-                    "uncompiled. Set model.config.use_cache = False for training (or pass use_cache=False).")
-    return None
-
-
-def install(module: nn.Module, backend: Callable, stage: int, compile_kwargs: Optional[Dict] = None) -> List[nn.Module]:
+def install(module: nn.Module, backend: Callable, leaf_regions: bool,
+            compile_kwargs: Optional[Dict] = None) -> List[nn.Module]:
     """Compile the repeated blocks of ``module`` as graphs of their own (one compiled function per block class), and
-    at ZeRO stage 3 the parameter-owning modules outside them as regions of their own (:func:`outer_leaves`); returns
+    with ``leaf_regions`` (ZeRO-3: ``stages.ShardedGraphs``) the parameter-owning modules outside them as regions of
+    their own (:func:`outer_leaves`); returns
     the blocks (``check`` has accepted the module). ``compile_kwargs``: ``torch.compile``'s ``fullgraph`` and
     ``dynamic`` for these compiles, as ``engine.compile(compile_kwargs=...)`` gave them. A block may hand one of its
     parameters back to the model's frame, which often runs as Python, and dynamo returns it holding its stand-in: the
     trampoline gathers it at ZeRO-3 (``eager_access.gather_for_caller``, as any module's forward does there)."""
-    warning = kv_cache_warning(module)
-    if warning is not None:
-        logger.warning(f"deepspeed-compile: {warning}")
     blocks = repeated_blocks(module)
     compiled: Dict[type, Callable] = {}
 
@@ -80,9 +64,9 @@ def install(module: nn.Module, backend: Callable, stage: int, compile_kwargs: Op
         return compiled[cls]
 
     for block in blocks:
-        block.forward = _trampoline(compiled_forward(type(block)), block)
-    for leaf in outer_leaves(module, blocks) if stage == 3 else ():
-        leaf.forward = _compiled_leaf(compiled_forward(type(leaf)), leaf)
+        ModuleForward.set(block, _trampoline(compiled_forward(type(block)), block))
+    for leaf in outer_leaves(module, blocks) if leaf_regions else ():
+        ModuleForward.set(leaf, _compiled_leaf(compiled_forward(type(leaf)), leaf))
     return blocks
 
 
@@ -102,8 +86,7 @@ def outer_leaves(module: nn.Module, blocks: List[nn.Module]) -> List[nn.Module]:
 def uninstall(module: nn.Module) -> None:
     """Give every block its class's ``forward`` back."""
     for block in module.modules():
-        if getattr(block.__dict__.get("forward"), _TRAMPOLINE, False):
-            del block.forward
+        ModuleForward.clear(block, lambda forward: getattr(forward, _TRAMPOLINE, False))
 
 
 def _compiled_leaf(compiled: Callable, leaf: nn.Module) -> Callable:
