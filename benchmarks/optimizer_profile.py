@@ -10,7 +10,11 @@ step's ``engine.step()``: the functions by cumulative time. One row per launch, 
 355M model fits in memory; run it for ``zero3`` too and compare. ``--values`` also prints, after the last step, what
 the values the optimizer reads are: per kind of tensor (its parameters, their gradients, each state entry) the
 elements, the subnormal ones (arithmetic on them takes a slow path on x86 unless the CPU flushes them), the
-non-finite ones, and whether this process flushes subnormals to zero.
+non-finite ones, and whether this process flushes subnormals to zero. ``--threads`` prints, for the last step's
+``engine.step()``, the CPU seconds each thread of the process spent in it (by the OS's thread name): where a step's
+wall time exceeds its main thread's CPU time, who else ran. ``--alone`` then times Adam's arithmetic once more on each
+rank in turn while the other waits: on fresh tensors of the partition's size, and reading the optimizer's own
+tensors (an out-of-place sqrt of its second moment): whether the process's state or its neighbour makes it slow.
 """
 import argparse
 import cProfile
@@ -29,20 +33,78 @@ from benchmarks import worker  # noqa: E402  (sets up the checkout's deepspeed.c
 from benchmarks.models import make_batch, make_model, size_arg  # noqa: E402
 
 
+def time_alone(optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """One Adam update's arithmetic (``torch.optim.adam._single_tensor_adam``'s in-place ops) on fresh tensors of the
+    partition's size, and a sqrt reading the optimizer's own second moment, timed on each rank while the other
+    waits in a barrier."""
+    state = next(iter(optimizer.state.values()))
+    real = state["exp_avg_sq"]
+    for turn in range(dist.get_world_size()):
+        dist.barrier()
+        if turn != rank:
+            continue
+        param, grad, exp_avg, exp_avg_sq = (torch.rand_like(real) for _ in range(4))
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            exp_avg.lerp_(grad, 0.1)
+            exp_avg_sq.mul_(0.999).addcmul_(grad, grad, value=0.001)
+            denom = (exp_avg_sq.sqrt() / 0.5).add_(1e-8)
+            param.addcdiv_(exp_avg, denom, value=-1e-3)
+            del denom
+            times.append(time.perf_counter() - start)
+        del param, grad, exp_avg, exp_avg_sq  # before the other rank allocates its own: at 355M memory is tight
+        start = time.perf_counter()
+        root = real.sqrt()
+        real_sqrt = time.perf_counter() - start
+        del root
+        faults = []
+        for _ in range(3):  # a new tensor of the partition's size written once: its pages faulted in, then freed
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            torch.empty_like(real).fill_(1.0)
+            faults.append((time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+        with open("/proc/self/maps") as f:
+            mappings = sum(1 for _ in f)
+        print(f"rank {rank} alone: a new tensor of the partition's size written once "
+              f"{', '.join(f'{t:.2f} s ({n} faults)' for t, n in faults)}; {mappings} mappings", flush=True)
+        print(f"rank {rank} alone: Adam's arithmetic on fresh tensors of {real.numel()} elements "
+              f"{', '.join(f'{t:.2f}' for t in times)} s; a sqrt of the optimizer's own second moment {real_sqrt:.2f} s "
+              f"(its data_ptr % 4096 = {real.data_ptr() % 4096})", flush=True)
+    dist.barrier()
+
+
+def thread_cpu() -> dict:
+    """CPU seconds (user + system) so far of each OS thread of this process: (tid, name) -> seconds."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        found[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return found
+
+
 def print_values(optimizer: torch.optim.Optimizer) -> None:
     """Subnormal and non-finite elements of what ``optimizer`` (the torch optimizer inside ZeRO's) reads."""
     kinds = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            tensors = {"param": param, "grad": param.grad, **optimizer.state.get(param, {})}
-            for kind, tensor in tensors.items():
-                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel() > 1:
-                    flat = tensor.detach().reshape(-1)
-                    subnormal = ((flat != 0) & (flat.abs() < torch.finfo(flat.dtype).tiny)).sum().item()
-                    counts = kinds.setdefault(kind, [0, 0, 0])
-                    counts[0] += flat.numel()
-                    counts[1] += subnormal
-                    counts[2] += (~torch.isfinite(flat)).sum().item()
+    # by the state's keys: ZeRO-3 empties its param groups' parameter lists after each step
+    params = list(optimizer.state) or [p for group in optimizer.param_groups for p in group["params"]]
+    for param in params:
+        tensors = {"param": param, "grad": param.grad, **optimizer.state.get(param, {})}
+        for kind, tensor in tensors.items():
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel() > 1:
+                flat = tensor.detach().reshape(-1)
+                subnormal = ((flat != 0) & (flat.abs() < torch.finfo(flat.dtype).tiny)).sum().item()
+                counts = kinds.setdefault(kind, [0, 0, 0])
+                counts[0] += flat.numel()
+                counts[1] += subnormal
+                counts[2] += (~torch.isfinite(flat)).sum().item()
     flushed = (torch.tensor([1e-39]) * 1.0).item() == 0
     print(f"subnormals flushed to zero in this process: {flushed}")
     for kind, (numel, subnormal, nonfinite) in kinds.items():
@@ -57,6 +119,10 @@ def main() -> None:
     p.add_argument("--zero-settings", default="defaults")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lines", type=int, default=30)
+    p.add_argument("--threads", action="store_true", help="the CPU time of each thread of the process over the last "
+                   "step's engine.step()")
+    p.add_argument("--alone", action="store_true", help="after the steps, time Adam's arithmetic on each rank while "
+                   "the other waits")
     p.add_argument("--values", action="store_true", help="after the steps, count subnormal and non-finite values in "
                    "what the optimizer reads")
     args = p.parse_args()
@@ -80,9 +146,15 @@ def main() -> None:
         last = step == args.steps - 1
         if last:
             profile.enable()
+        threads = thread_cpu() if last and args.threads else {}
         before, cpu = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
         optimizer_step()
         after, cpu = resource.getrusage(resource.RUSAGE_SELF), time.process_time() - cpu
+        if threads:
+            spent = {key: seconds - threads.get(key, 0.0) for key, seconds in thread_cpu().items()}
+            print(f"rank {rank}, threads: {len(spent)}; CPU seconds in engine.step() by thread: " + ", ".join(
+                f"{name} ({tid}) {seconds:.2f}" for (tid, name), seconds in sorted(spent.items(), key=lambda kv: -kv[1])
+                if seconds > 0), flush=True)
         if last:
             profile.disable()
         if rank == 0:
@@ -91,6 +163,8 @@ def main() -> None:
                   f" minor {after.ru_majflt - before.ru_majflt} major, context switches "
                   f"{after.ru_nvcsw - before.ru_nvcsw} voluntary {after.ru_nivcsw - before.ru_nivcsw} involuntary)",
                   flush=True)
+    if args.alone:
+        time_alone(engine.optimizer.optimizer, rank)
     if rank == 0 and args.values:
         print_values(engine.optimizer.optimizer)
     if rank == 0:

@@ -20,7 +20,7 @@ from deepspeed.utils import logger
 
 from . import compat, effects
 from .adapters import ModuleCompile
-from .integrations import accelerate, ds_checkpointing, transformers
+from .integrations import ds_checkpointing
 from .config import CompileConfig, unimplemented_options
 
 if TYPE_CHECKING:
@@ -231,6 +231,7 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
     _prepare_module_compile(engine, wrap_direct_calls=True, drop_fullgraph=blocks)
     if blocks:
         from .driver import regions
+        from .integrations import transformers
         warning = transformers.kv_cache_warning(engine.module)
         if warning is not None:
             logger.warning(f"deepspeed-compile: {warning}")
@@ -360,12 +361,19 @@ def deactivate(engine, uncompile: bool = False) -> None:
         engine._is_compiled = False
 
 
+def _adopts_regional_compile(engine) -> bool:
+    """Whether Accelerate compiled the engine's blocks in place and DeepCompile now compiles the engine instead
+    (``integrations/accelerate.py``, imported here: not at ``import deepspeed``)."""
+    from .integrations import accelerate
+    return accelerate.adopt_regional_compile(engine)
+
+
 @contextmanager
 def forward_context(engine) -> Iterator[None]:
     """One forward of ``engine``: prepared by its runtime when DeepCompile is active (stand-ins in, eager access
     on); if the engine left DeepCompile since its last forward, it is returned to eager ZeRO-3 first."""
     state = state_of(engine, active_only=False)
-    if state is None and accelerate.adopt_regional_compile(engine):
+    if state is None and _adopts_regional_compile(engine):
         state = state_of(engine, active_only=False)
     if state is None:
         yield None
