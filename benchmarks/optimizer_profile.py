@@ -69,8 +69,8 @@ def time_alone(optimizer: torch.optim.Optimizer, rank: int) -> None:
         print(f"rank {rank} alone: a new tensor of the partition's size written once "
               f"{', '.join(f'{t:.2f} s ({n} faults)' for t, n in faults)}; {mappings} mappings", flush=True)
         print(f"rank {rank} alone: Adam's arithmetic on fresh tensors of {real.numel()} elements "
-              f"{', '.join(f'{t:.2f}' for t in times)} s; a sqrt of the optimizer's own second moment {real_sqrt:.2f} s "
-              f"(its data_ptr % 4096 = {real.data_ptr() % 4096})", flush=True)
+              f"{', '.join(f'{t:.2f}' for t in times)} s; a sqrt of the optimizer's own second moment "
+              f"{real_sqrt:.2f} s (its data_ptr % 4096 = {real.data_ptr() % 4096})", flush=True)
     dist.barrier()
 
 

@@ -16,9 +16,9 @@ def kv_cache_warning(module: nn.Module) -> Optional[str]:
     for sub in module.modules():
         config = getattr(sub, "config", None)
         if getattr(config, "use_cache", False) is True and hasattr(config, "num_hidden_layers"):
-            return (f"compile.regions='blocks': {type(sub).__name__}.config.use_cache is True. Training with a KV cache "
-                    "makes dynamo compile the block once per layer (each updates its own cache entry), and the layers "
-                    f"past torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) run "
+            return (f"compile.regions='blocks': {type(sub).__name__}.config.use_cache is True. Training with a KV "
+                    "cache makes dynamo compile the block once per layer (each updates its own cache entry), and the "
+                    f"layers past torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) run "
                     "uncompiled. Set model.config.use_cache = False for training (or pass use_cache=False).")
     return None
 
