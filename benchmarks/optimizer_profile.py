@@ -14,7 +14,8 @@ non-finite ones, and whether this process flushes subnormals to zero. ``--thread
 ``engine.step()``, the CPU seconds each thread of the process spent in it (by the OS's thread name): where a step's
 wall time exceeds its main thread's CPU time, who else ran. ``--alone`` then times Adam's arithmetic once more on each
 rank in turn while the other waits: on fresh tensors of the partition's size, and reading the optimizer's own
-tensors (an out-of-place sqrt of its second moment): whether the process's state or its neighbour makes it slow.
+tensors (an out-of-place sqrt of its second moment), then on both ranks at once (a quarter of the size): whether the
+process's state or its neighbour makes it slow.
 """
 import argparse
 import cProfile
@@ -71,6 +72,20 @@ def time_alone(optimizer: torch.optim.Optimizer, rank: int) -> None:
         print(f"rank {rank} alone: Adam's arithmetic on fresh tensors of {real.numel()} elements "
               f"{', '.join(f'{t:.2f}' for t in times)} s; a sqrt of the optimizer's own second moment "
               f"{real_sqrt:.2f} s (its data_ptr % 4096 = {real.data_ptr() % 4096})", flush=True)
+    # then both ranks at once, on a quarter of the partition's size each (two full sets would not fit at 355M)
+    dist.barrier()
+    param, grad, exp_avg, exp_avg_sq = (torch.rand(real.numel() // 4) for _ in range(4))
+    together = []
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        exp_avg.lerp_(grad, 0.1)
+        exp_avg_sq.mul_(0.999).addcmul_(grad, grad, value=0.001)
+        param.addcdiv_(exp_avg, (exp_avg_sq.sqrt() / 0.5).add_(1e-8), value=-1e-3)
+        together.append(time.perf_counter() - start)
+    print(f"rank {rank} together: Adam's arithmetic on fresh tensors of {param.numel()} elements, both ranks at "
+          f"once: {', '.join(f'{t:.2f}' for t in together)} s", flush=True)
+    del param, grad, exp_avg, exp_avg_sq
     dist.barrier()
 
 
@@ -105,6 +120,13 @@ def print_values(optimizer: torch.optim.Optimizer) -> None:
                 counts[0] += flat.numel()
                 counts[1] += subnormal
                 counts[2] += (~torch.isfinite(flat)).sum().item()
+    for param, state in optimizer.state.items():  # how each tensor the update reads is laid out
+        for kind, tensor in {"param": param, **state}.items():
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > 1:
+                print(f"{kind}: {tensor.dtype}, {tuple(tensor.shape)}, contiguous {tensor.is_contiguous()}, "
+                      f"storage {tensor.untyped_storage().nbytes()} bytes for "
+                      f"{tensor.numel() * tensor.element_size()}, offset {tensor.storage_offset()}, "
+                      f"data_ptr % 64 = {tensor.data_ptr() % 64}")
     flushed = (torch.tensor([1e-39]) * 1.0).item() == 0
     print(f"subnormals flushed to zero in this process: {flushed}")
     for kind, (numel, subnormal, nonfinite) in kinds.items():
@@ -146,6 +168,11 @@ def main() -> None:
         last = step == args.steps - 1
         if last:
             profile.enable()
+        if last and args.values and rank == 0:
+            grads = [g for group in getattr(engine.optimizer, "averaged_gradients", {}).values() for g in group]
+            storages = {g.untyped_storage().data_ptr() for g in grads}
+            print(f"before the last step: {len(grads)} gradient partitions in {len(storages)} storages, dtypes "
+                  f"{sorted({str(g.dtype) for g in grads})}, all contiguous {all(g.is_contiguous() for g in grads)}")
         threads = thread_cpu() if last and args.threads else {}
         before, cpu = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
         optimizer_step()
