@@ -9,7 +9,7 @@ rejected by ``DeepSpeedConfigModel`` (pydantic, ``extra="forbid"``) at ``deepspe
 from typing import List, Literal, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field
+from pydantic import Field, PrivateAttr, model_validator
 from typing_extensions import Annotated
 
 PassName = Literal["z1", "z3", "autosp", "autotp"]
@@ -23,7 +23,9 @@ class CompileConfig(DeepSpeedConfigModel):
     deepcompile: bool = Field(False, description="run ZeRO-3 through this module's compiled pipeline")
     autoep_non_moe: bool = Field(False, description="stock AutoEP region compile, handled by the engine itself")
     passes: Optional[List[PassName]] = Field(None, description="stock pass composition; None or ['z3'] run "
-                                             "this pipeline, 'autosp'/'autotp' fall back to torch.compile")
+                                             "this pipeline, 'autosp' adds sequence parallelism to it (taken out "
+                                             "of the list, see sequence_parallel), 'autotp' falls back to "
+                                             "torch.compile")
     offload_parameters: bool = Field(False, description="ZeRO-3 with offload_param to cpu: runs (the engine sets it); "
                                      "otherwise not implemented, falls back")
     offload_opt_states: bool = Field(False, description="stock offload: not implemented, falls back")
@@ -109,6 +111,23 @@ class CompileConfig(DeepSpeedConfigModel):
     """If > 0, a gather or reduce that has not completed after this many seconds raises instead of hanging; 0: the
     process group's own timeout (``deepspeed.init_distributed(timeout=...)``, 30 minutes by default). Through shared
     memory a peer whose process is gone, or that stopped with an error, ends the wait within a second either way."""
+
+    _sequence_parallel: bool = PrivateAttr(False)
+
+    @model_validator(mode="after")
+    def _take_autosp(self) -> "CompileConfig":
+        """``"autosp"`` in ``passes`` asks for sequence parallelism (``graph/sequence.py``), which runs inside this
+        module's ZeRO pipelines. DeepSpeed's engine sends a config that lists it to its own AutoSP backend instead,
+        and refuses it at ZeRO-2 and 3; taken out of the list here, every stage reaches this module."""
+        if self.passes and "autosp" in self.passes:
+            self._sequence_parallel = True
+            self.passes = [name for name in self.passes if name != "autosp"]
+        return self
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether ``passes`` listed ``"autosp"``: shard each sequence over ``sequence_parallel_size`` ranks."""
+        return self._sequence_parallel
 
 
 # Stock options this module does not implement, with what happens when they are set.

@@ -181,6 +181,8 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
     from .driver.stages import graphs_of
     from .runtime.agreement import FAILED, StepAbandoned
     state = DeepCompileState(runtime, CompileStats(), stage)
+    if compile_config.sequence_parallel:
+        _start_sequence_group(engine, runtime, compile_config)
     runtime.peers.agree_on_failures = compile_config.agree_on_failures
     setattr(engine, ATTR, state)
     _LIVE.add(state)
@@ -241,6 +243,25 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
     return compile_graph
 
 
+def _start_sequence_group(engine, runtime, compile_config: CompileConfig) -> None:
+    """``"passes": ["autosp"]``: the runtime's sequence group of ``sequence_parallel_size`` ranks
+    (``runtime/sequence.py``); the graphs are rewritten for it as they compile (``graph/sequence.py``)."""
+    from .runtime.sequence import SequenceGroup, requested_size
+    size = requested_size(engine._config._param_dict)
+    if size == 1:
+        logger.warning("deepspeed-compile: compile.passes lists 'autosp' but sequence_parallel_size is 1 (its default): "
+                       "nothing to split, every rank computes the whole sequence. Set sequence_parallel_size at the "
+                       "top level of the ds_config")
+        return
+    if compile_config.regions == "blocks":
+        logger.warning("deepspeed-compile: compile.regions='blocks' compiles each block on its own, and a block's "
+                       "graph has no token ids to split: with sequence parallelism the blocks run on the whole "
+                       "sequence on every rank. Leave regions at 'model' to split the sequence")
+    runtime.sequence = SequenceGroup(size, runtime.comm)
+    logger.info(f"deepspeed-compile: sequence parallelism over {size} ranks (ranks {runtime.sequence.ranks} share "
+                "each batch)")
+
+
 def _agree_on_recompile_limit(cause: str) -> None:
     """Dynamo reached its recompile limit at a frame (``cause`` says which limit): on this rank the frame runs
     uncompiled, dynamo's own fallback. In an engine's forward, where the ranks agree before each graph's first
@@ -283,8 +304,13 @@ def _prepare_module_compile(engine, wrap_direct_calls: bool, drop_fullgraph: boo
         if not wrap_direct_calls:
             return
         compiled_call = ModuleCompile.compiled_call(module)
+        state = state_of(engine, active_only=False)
+        sequence = state is not None and state.runtime.sequence is not None
+        from .runtime.sequence import mark_dynamic_lengths
 
         def call(*call_args, **call_kwargs):
+            if sequence:
+                mark_dynamic_lengths(call_args, call_kwargs)
             with direct_call_context(engine):
                 return compiled_call(*call_args, **call_kwargs)
 
@@ -376,6 +402,7 @@ def forward_context(engine) -> Iterator[None]:
     if state is None and _adopts_regional_compile(engine):
         state = state_of(engine, active_only=False)
     if state is None:
+        _warn_sequence_not_split(engine)
         yield None
         return
     if not engine.is_deepcompile_active():
@@ -386,6 +413,22 @@ def forward_context(engine) -> Iterator[None]:
     eager_hooks.drop_reregistered(engine)  # ZeRO-3's module hooks, where something registered them again
     with state.runtime.forward_context(), ds_checkpointing.deepcompile_forward():
         yield None
+
+
+_SEQUENCE_WARNED = "_deepspeed_compile_sequence_warned"
+
+
+def _warn_sequence_not_split(engine) -> None:
+    """``"autosp"`` asked for, and the engine compiled without DeepCompile (ZeRO stage 0, ``deepcompile`` false, a
+    fallback): say once that every rank computes the whole sequence."""
+    if not engine.is_compiled or getattr(engine, _SEQUENCE_WARNED, False):
+        return
+    if getattr(engine._config.compile_config, "sequence_parallel", False):
+        setattr(engine, _SEQUENCE_WARNED, True)
+        logger.warning("deepspeed-compile: compile.passes lists 'autosp', but this engine runs without DeepCompile "
+                       f"(ZeRO stage {engine.zero_optimization_stage()}, compile.deepcompile "
+                       f"{engine.is_deepcompile_enabled()}): sequence parallelism runs with DeepCompile at ZeRO stages "
+                       "1-3, so here every rank computes the whole sequence")
 
 
 class PassTimes(Mapping):

@@ -45,6 +45,10 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         # summed over the graphs (one block's with regions="blocks"): 0 where nothing is gathered (ZeRO-1/2)
         "planned_peak_gathered_bytes": state.stats.planned_peak_gathered_bytes,
         "kept_gathered_bytes": state.stats.kept_gathered_bytes,
+        # "passes": ["autosp"]: the ranks splitting each sequence (1: none), and the collectives of that group placed
+        # in the forward graphs (all-to-alls around attention, the loss's sum, outputs gathered)
+        "sequence_parallel_size": 1 if runtime.sequence is None else runtime.sequence.size,
+        "sequence_collectives": state.stats.sequence_collectives,
     }
     report.update(runtime.report_items())  # what the stage's parts did (ZeRO-3's gathers, ZeRO-1/2's hand-offs)
     return report

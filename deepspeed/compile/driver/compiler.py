@@ -33,6 +33,7 @@ from ..runtime.ops import PLAIN_CALLS, UNTRACED_CALLS
 from ..graph.recompute import tag_param_aliases_pass
 from ..graph.runner import run_passes
 from ..graph.saved import SavedBytes, saved_for_backward
+from ..graph.sequence import shard_sequence
 from ..schedule.fast_free import fast_free_schedule
 from ..schedule.memory_plan import peak_gathered_bytes
 
@@ -58,6 +59,7 @@ class CompileStats:
     compile_seconds: Dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0,
                                                                        "partition": 0.0})
     kept_gathered_bytes: int = 0  # of compile.keep_gathered_bytes, taken by parameters kept gathered for backward
+    sequence_collectives: int = 0  # collectives of the sequence group placed in the forward graphs (autosp)
 
     def add(self, part: Dict) -> None:
         """Add what compiling one direction of one graph found (:meth:`GraphCompiler._account`)."""
@@ -260,7 +262,9 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
     from torch._inductor.output_code import OutputCode
     runtime, stats = compiler.runtime, compiler.stats
     settings = compiler.config.model_dump(exclude={"aot_cache"})  # whether to cache does not change the graphs
+    sequence = runtime.sequence
     key = cache.compile_key(config=settings, stage=runtime.stage,
+                            sequence=None if sequence is None else (sequence.size, sequence.rank),
                             world=torch.distributed.get_world_size(),
                             runtime_id=runtime.id, gather_bucket_numel=runtime.gather_bucket_numel,
                             keep=compiler.stage_graphs.keep_key(compiler), kept_before=stats.kept_gathered_bytes,
@@ -306,6 +310,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             param_ds_ids = runtime.param_ds_ids(example_inputs)
             grad_ds_ids = runtime.grad_ds_ids(example_inputs)
             gathered = {i: ds_id for i, ds_id in enumerate(param_ds_ids) if ds_id is not None}
+            cut_inputs = shard_sequence_of(runtime, gm, stats)
             uncompiled = GraphModule(gm, copy.deepcopy(gm.graph))  # the dynamo graph as traced, for other params
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()
@@ -323,9 +328,27 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             raise
         compiled = graphs_of(runtime).wrap(compiled, runtime, gm, gathered, grad_ds_ids, uncompiled)
         pairs = pairs_across_ranks(gathered, grad_ds_ids, torch.is_grad_enabled())
-        return start_agreed(compiled, runtime) if pairs and runtime.peers.agrees_now() else compiled
+        if pairs and runtime.peers.agrees_now():
+            compiled = start_agreed(compiled, runtime)
+        # a batch the sequence group cannot split is refused before the graph starts anything
+        return runtime.sequence.guard(compiled, cut_inputs) if cut_inputs else compiled
 
     return compile_graph
+
+
+def shard_sequence_of(runtime, gm: GraphModule, stats: CompileStats) -> List[Tuple[int, int]]:
+    """Where the runtime has a sequence group, rewrite the dynamo graph for sequence parallelism before anything else
+    (``graph/sequence.py``); returns the inputs it cut (placeholder index, sequence dimension)."""
+    group = runtime.sequence
+    if group is None:
+        return []
+    collectives, cut_inputs = shard_sequence(gm, runtime.id, group.size, group.rank)
+    stats.sequence_collectives += collectives
+    if not cut_inputs:
+        log.warning("deepspeed-compile: sequence parallelism found no token ids with a dynamic length in a graph "
+                    "(an input named input_ids or inputs_embeds, or tagged by prepare_autosp_inputs): that graph "
+                    "runs on the whole sequence on every rank of the group")
+    return cut_inputs
 
 
 def pairs_across_ranks(gathered, grad_ds_ids: Sequence[Optional[int]], grad_enabled: bool) -> bool:

@@ -219,3 +219,102 @@ UNTRACED_CALLS = {GATHER: _untraced_twin(GATHER, run_gather, _gather_fake),
                   REDUCE_MM: _untraced_twin(REDUCE_MM, run_reduce_mm, _reduce_mm_fake)}
 for _op in (REDUCE_MM, UNTRACED_CALLS[REDUCE_MM]):  # its effect is the reduction, not its (token) result
     effects.mark_side_effect(_op)
+
+
+# ----- sequence parallelism: the collectives of the sequence group (``graph/sequence.py`` places them) ---------
+# Each carries the id of the runtime whose sequence group (:class:`~.sequence.SequenceGroup`) it runs on. Their
+# gradients are the adjoint collectives, so a gradient summed over the group is the gradient of the unsharded model,
+# times the group's size ([Note: gradients of a sharded sequence] in graph/sequence.py). An op that joins blocks is
+# told the joined size (``joined``, the sequence length's symbol where it joins the sequence): tracing then gives its
+# result the size the rest of the graph was traced with, which ``size * (length // size)`` would not be.
+def _sequence_group(runtime_id: int):
+    return registry.lookup(runtime_id).sequence
+
+
+@effects.custom_op("dsc::seq_all_to_all", mutates_args=())
+def seq_all_to_all(x: Tensor, runtime_id: int, scatter_dim: int, gather_dim: int, joined: int) -> Tensor:
+    """Split ``x`` along ``scatter_dim`` into one block per rank of the group, send block i to rank i, and join what
+    each rank sent along ``gather_dim`` (to ``joined``), in rank order (Ulysses' exchange of heads for sequence)."""
+    return _sequence_group(runtime_id).all_to_all(x, scatter_dim, gather_dim)
+
+
+@seq_all_to_all.register_fake
+def _(x: Tensor, runtime_id: int, scatter_dim: int, gather_dim: int, joined: int) -> Tensor:
+    shape = list(x.shape)
+    shape[scatter_dim] = shape[scatter_dim] // _sequence_group(runtime_id).size
+    shape[gather_dim] = joined
+    return x.new_empty(shape)
+
+
+def _all_to_all_context(ctx, inputs, output) -> None:
+    x, ctx.runtime_id, ctx.scatter_dim, ctx.gather_dim, _ = inputs
+    ctx.split = x.shape[ctx.scatter_dim]
+
+
+seq_all_to_all.register_autograd(
+    lambda ctx, grad: (seq_all_to_all(grad, ctx.runtime_id, ctx.gather_dim, ctx.scatter_dim, ctx.split),
+                       None, None, None, None),
+    setup_context=_all_to_all_context)
+
+
+@effects.custom_op("dsc::seq_all_gather", mutates_args=())
+def seq_all_gather(x: Tensor, runtime_id: int, dim: int, joined: int) -> Tensor:
+    """Every rank's block of the sequence, joined along ``dim`` (to ``joined``) in rank order."""
+    return _sequence_group(runtime_id).all_gather(x, dim)
+
+
+@effects.custom_op("dsc::seq_reduce_scatter", mutates_args=())
+def seq_reduce_scatter(x: Tensor, runtime_id: int, dim: int) -> Tensor:
+    """The sum of ``x`` over the group, this rank's block of it along ``dim``."""
+    return _sequence_group(runtime_id).reduce_scatter(x, dim)
+
+
+@seq_all_gather.register_fake
+def _(x: Tensor, runtime_id: int, dim: int, joined: int) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = joined
+    return x.new_empty(shape)
+
+
+@seq_reduce_scatter.register_fake
+def _(x: Tensor, runtime_id: int, dim: int) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // _sequence_group(runtime_id).size
+    return x.new_empty(shape)
+
+
+def _all_gather_context(ctx, inputs, output) -> None:
+    ctx.runtime_id, ctx.dim = inputs[1], inputs[2]
+
+
+def _reduce_scatter_context(ctx, inputs, output) -> None:
+    ctx.runtime_id, ctx.dim = inputs[1], inputs[2]
+    ctx.joined = inputs[0].shape[ctx.dim]
+
+
+seq_all_gather.register_autograd(
+    lambda ctx, grad: (seq_reduce_scatter(grad, ctx.runtime_id, ctx.dim), None, None, None),
+    setup_context=_all_gather_context)
+seq_reduce_scatter.register_autograd(
+    lambda ctx, grad: (seq_all_gather(grad, ctx.runtime_id, ctx.dim, ctx.joined), None, None),
+    setup_context=_reduce_scatter_context)
+
+
+@effects.custom_op("dsc::seq_all_reduce", mutates_args=())
+def seq_all_reduce(x: Tensor, runtime_id: int) -> Tensor:
+    """The sum of ``x`` over the group (each rank's addend: a loss summed over its block of the sequence)."""
+    return _sequence_group(runtime_id).all_reduce(x)
+
+
+@seq_all_reduce.register_fake
+def _(x: Tensor, runtime_id: int) -> Tensor:
+    return torch.empty_like(x)
+
+
+seq_all_reduce.register_autograd(lambda ctx, grad: (seq_all_reduce(grad, ctx.runtime_id), None),
+                                 setup_context=lambda ctx, inputs, output: setattr(ctx, "runtime_id", inputs[1]))
+
+SEQ_ALL_TO_ALL = torch.ops.dsc.seq_all_to_all.default
+SEQ_ALL_GATHER = torch.ops.dsc.seq_all_gather.default
+SEQ_REDUCE_SCATTER = torch.ops.dsc.seq_reduce_scatter.default
+SEQ_ALL_REDUCE = torch.ops.dsc.seq_all_reduce.default

@@ -48,6 +48,7 @@ class StageRuntime:
         self.comm.before_start = self.peers.before_collective  # every collective agrees first where one is due
         self.phase = Phase.IDLE
         self.input_cast_hook = None  # fp16 auto_cast: the engine's input cast, as a forward pre-hook (engine_state)
+        self.sequence = None  # the sequence group where "passes" lists "autosp" (runtime/sequence.py), else None
         self.id = registry.register(self)
 
     # ----- what the engine and the report read ------------------------------------------------------------
