@@ -251,10 +251,12 @@ def _all_to_all_context(ctx, inputs, output) -> None:
     ctx.split = x.shape[ctx.scatter_dim]
 
 
-seq_all_to_all.register_autograd(
-    lambda ctx, grad: (seq_all_to_all(grad, ctx.runtime_id, ctx.gather_dim, ctx.scatter_dim, ctx.split),
-                       None, None, None, None),
-    setup_context=_all_to_all_context)
+def _all_to_all_backward(ctx, grad: Tensor):
+    """The reverse exchange: the gradient of each block goes back to the rank that sent it."""
+    return seq_all_to_all(grad, ctx.runtime_id, ctx.gather_dim, ctx.scatter_dim, ctx.split), None, None, None, None
+
+
+seq_all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_context)
 
 
 @effects.custom_op("dsc::seq_all_gather", mutates_args=())
@@ -292,12 +294,17 @@ def _reduce_scatter_context(ctx, inputs, output) -> None:
     ctx.joined = inputs[0].shape[ctx.dim]
 
 
-seq_all_gather.register_autograd(
-    lambda ctx, grad: (seq_reduce_scatter(grad, ctx.runtime_id, ctx.dim), None, None, None),
-    setup_context=_all_gather_context)
-seq_reduce_scatter.register_autograd(
-    lambda ctx, grad: (seq_all_gather(grad, ctx.runtime_id, ctx.dim, ctx.joined), None, None),
-    setup_context=_reduce_scatter_context)
+def _all_gather_backward(ctx, grad: Tensor):
+    """Each rank's gradient of the whole value, summed over the group: this rank's block of it."""
+    return seq_reduce_scatter(grad, ctx.runtime_id, ctx.dim), None, None, None
+
+
+def _reduce_scatter_backward(ctx, grad: Tensor):
+    return seq_all_gather(grad, ctx.runtime_id, ctx.dim, ctx.joined), None, None
+
+
+seq_all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_context)
+seq_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_context)
 
 
 @effects.custom_op("dsc::seq_all_reduce", mutates_args=())
@@ -311,8 +318,16 @@ def _(x: Tensor, runtime_id: int) -> Tensor:
     return torch.empty_like(x)
 
 
-seq_all_reduce.register_autograd(lambda ctx, grad: (seq_all_reduce(grad, ctx.runtime_id), None),
-                                 setup_context=lambda ctx, inputs, output: setattr(ctx, "runtime_id", inputs[1]))
+def _all_reduce_context(ctx, inputs, output) -> None:
+    ctx.runtime_id = inputs[1]
+
+
+def _all_reduce_backward(ctx, grad: Tensor):
+    """Every addend's gradient is the sum's, summed over the group (the ranks' shares of it)."""
+    return seq_all_reduce(grad, ctx.runtime_id), None
+
+
+seq_all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_context)
 
 SEQ_ALL_TO_ALL = torch.ops.dsc.seq_all_to_all.default
 SEQ_ALL_GATHER = torch.ops.dsc.seq_all_gather.default

@@ -19,7 +19,7 @@ import torch
 from distributed import run_distributed
 
 LOSS_TOL = 1e-6
-LENGTHS = (16, 12, 20)  # one per step: divisible by 2 and 4
+LENGTHS = (16, 12, 20)  # one per step (the first three): divisible by 2 and 4
 
 
 def _batch(step: int, group: int, length: int):
@@ -44,12 +44,12 @@ def _model(name: str):
                                       attn_pdrop=0.0, use_cache=False))
 
 
-def _engine(name: str, stage: int, sp: int, backend=None):
+def _engine(name: str, stage: int, sp: int, backend=None, dtype: str = "fp32"):
     import deepspeed
     from models import ds_config
     model = _model(name)
-    config = ds_config(stage=stage, batch=2, optimizer="sgd", compile_section={"deepcompile": True, "passes": ["autosp"]}
-                       if backend else None)
+    config = ds_config(stage=stage, batch=2, optimizer="sgd", dtype=dtype,
+                       compile_section={"deepcompile": True, "passes": ["autosp"]} if backend else None)
     if backend:
         config["sequence_parallel_size"] = sp
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
@@ -73,79 +73,115 @@ def _train(engine, sp: int, steps: int):
     return {"losses": losses, "grads": grads, "params": full_params(engine)}
 
 
-def _against_eager(name: str, stages, sp: int, steps: int, backend: str = "eager"):
-    import deepspeed
+def _against_eager(name: str, stage: int, sp: int, steps: int):
+    """The split model and eager ZeRO of the same stage, trained alike."""
     from deepspeed.compile.report import engine_report
-    deepspeed.init_distributed(dist_backend="gloo")
-    out = {}
-    for stage in stages:
-        torch._dynamo.reset()
-        engine = _engine(name, stage, sp, backend)
-        out[stage] = _train(engine, sp, steps)
-        out[stage]["report"] = engine_report(engine)
-        engine.destroy()
-        reference = _engine(name, stage, sp)
-        out[stage]["eager"] = _train(reference, sp, steps)
-        reference.destroy()
+    torch._dynamo.reset()
+    engine = _engine(name, stage, sp, "eager")
+    out = _train(engine, sp, steps)
+    out["report"] = engine_report(engine)
+    engine.destroy()
+    reference = _engine(name, stage, sp)
+    out["eager"] = _train(reference, sp, steps)
+    reference.destroy()
     return out
 
 
-def _check(result, stage):
+def _bf16(fp32_eager_grads):
+    """One bf16 step of the split model and of eager ZeRO-3: their first gradients, with eager ZeRO-3's fp32 ones."""
+    grads = {"fp32": fp32_eager_grads}
+    for key, backend in (("sp", "eager"), ("eager", None)):
+        torch._dynamo.reset()
+        engine = _engine("llama", 3, 2, backend, "bf16")
+        grads[key] = _train(engine, 2, 1)["grads"]
+        engine.destroy()
+    return grads
+
+
+def _errors():
+    """What the first call of a split engine raises for ranks fed different batches, and for a length 2 does not
+    divide."""
+    rank = torch.distributed.get_rank()
+    out = {}
+    for case, batch in (("different batches", _batch(0, rank, 16)), ("odd length", _batch(0, 0, 15))):
+        torch._dynamo.reset()
+        engine = _engine("llama", 3, 2, "eager")
+        try:
+            engine(**batch)
+        except ValueError as err:
+            out[case] = str(err)
+        engine.destroy()
+    return out
+
+
+def _two_ranks(steps):
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = {("llama", 3): _against_eager("llama", 3, 2, steps), ("llama", 1): _against_eager("llama", 1, 2, steps),
+           ("gpt2", 3): _against_eager("gpt2", 3, 2, steps)}
+    out["bf16"] = _bf16(out[("llama", 3)]["eager"]["grads"])
+    out["errors"] = _errors()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One launch of 2 ranks (one sequence group) for the tests below: engines are built one after the other."""
+    return run_distributed(_two_ranks, len(LENGTHS), timeout_s=500)
+
+
+def _check(r):
     from compare import FP32_REORDER_TOL, max_rel_diff, rel_diffs
-    r = result[stage]
     report = r["report"]
     assert report is not None and report["sequence_parallel_size"] > 1 and report["sequence_collectives"] > 0, report
     assert max_rel_diff(r["losses"], r["eager"]["losses"]) <= LOSS_TOL, (r["losses"], r["eager"]["losses"])
     grads = rel_diffs(r["grads"], r["eager"]["grads"])
-    assert max(grads.values()) <= FP32_REORDER_TOL, (stage, "grads", sorted(grads.items(), key=lambda kv: -kv[1])[:3])
+    assert max(grads.values()) <= FP32_REORDER_TOL, ("grads", sorted(grads.items(), key=lambda kv: -kv[1])[:3])
     params = rel_diffs(r["params"], r["eager"]["params"])
-    assert max(params.values()) <= FP32_REORDER_TOL, (stage, "params", sorted(params.items(), key=lambda kv: -kv[1])[:3])
+    assert max(params.values()) <= FP32_REORDER_TOL, ("params", sorted(params.items(), key=lambda kv: -kv[1])[:3])
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_sequence_parallel_trains_as_the_unsharded_model(name):
-    """2 ranks, one sequence group: ZeRO-3 and ZeRO-1 (Llama) or ZeRO-3 (GPT-2), against eager ZeRO."""
-    stages = (3, 1) if name == "llama" else (3, )
-    for result in run_distributed(_against_eager, name, stages, 2, len(LENGTHS), timeout_s=400):
-        for stage in stages:
-            _check(result, stage)
+@pytest.mark.parametrize("case", [("llama", 3), ("llama", 1), ("gpt2", 3)], ids=["llama-zero3", "llama-zero1",
+                                                                                 "gpt2-zero3"])
+def test_sequence_parallel_trains_as_the_unsharded_model(two_ranks, case):
+    """2 ranks, one sequence group, against eager ZeRO of the same stage."""
+    for result in two_ranks:
+        _check(result[case])
 
 
-def _errors():
-    import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
-    out = {}
-    engine = _engine("llama", 3, 2, "eager")
-    try:
-        engine(**_batch(0, rank, 16))  # each rank a batch of its own
-    except ValueError as err:
-        out["different batches"] = str(err)
-    engine.destroy()
-    torch._dynamo.reset()
-    engine = _engine("llama", 3, 2, "eager")
-    try:
-        engine(**_batch(0, 0, 15))
-    except ValueError as err:
-        out["odd length"] = str(err)
-    engine.destroy()
-    return out
+def test_sequence_parallel_in_bf16_is_as_accurate_as_eager_zero3(two_ranks):
+    """bf16: the split model's first gradients differ from eager ZeRO-3's bf16 gradients by at most twice eager's
+    own bf16 error (its difference from the fp32 gradients), per parameter (``compare.bf16_grad_bounds``)."""
+    from compare import bf16_grad_bounds, rel_diffs
+    for result in two_ranks:
+        r = result["bf16"]
+        bounds = bf16_grad_bounds(r["eager"], r["fp32"])
+        diffs = rel_diffs(r["sp"], r["eager"])
+        over = {name: (diffs[name], bounds[name]) for name in diffs if diffs[name] > bounds[name]}
+        assert not over, over
 
 
-def test_sequence_parallel_refuses_what_it_cannot_split():
-    """A length the group's size does not divide, and ranks of one group fed different batches: a ValueError naming
+def test_sequence_parallel_refuses_what_it_cannot_split(two_ranks):
+    """Ranks of one group fed different batches, and a length the group's size does not divide: a ValueError naming
     sequence_parallel_size on every rank, before any wrong result."""
-    for r in run_distributed(_errors, timeout_s=300):
+    for result in two_ranks:
+        r = result["errors"]
         assert "sequence_parallel_size=2" in r["different batches"] and "same batch" in r["different batches"], r
         assert "sequence_parallel_size=2" in r["odd length"] and "15" in r["odd length"], r
+
+
+def _four_ranks(steps):
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    return {sp: _against_eager("llama", 3, sp, steps) for sp in (2, 4)}
 
 
 def test_sequence_parallel_at_4_ranks():
     """Two groups of 2 (sequence x data) and one group of 4 (more ranks than key/value heads: each rank's query
     heads get the key/value heads they read), at ZeRO-3."""
-    for sp in (2, 4):
-        for result in run_distributed(_against_eager, "llama", (3, ), sp, 2, world_size=4, timeout_s=500):
-            _check(result, 3)
+    for result in run_distributed(_four_ranks, 2, world_size=4, timeout_s=500):
+        for sp in (2, 4):
+            _check(result[sp])
 
 
 def test_the_rewrite_splits_every_layer():

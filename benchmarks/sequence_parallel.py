@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sequence parallelism's step time and memory per rank against the same model unsplit, side by side.
+
+    python benchmarks/sequence_parallel.py [--ranks 2] [--sizes 1,2] [--length 2048] [--rounds 2] [--steps 4]
+
+Each row is one launch of ``--ranks`` CPU ranks (``torch.distributed.run``), so that its peak resident memory is its
+own; the rows' launches alternate, ``--rounds`` times, and the medians of each row are compared. A row is DeepCompile
+at ZeRO-3 (DeepSpeed's default ZeRO settings, eager backend, fp32) on a ``transformers`` Llama with SDPA attention
+(``--layers`` layers of hidden size ``--hidden``), trained on ``--length`` tokens a sequence, micro-batch 1, every
+rank of a group fed the group's batch: size 1 is the model unsplit (each rank computes the whole sequence, as
+data-parallel ranks do), size N splits each sequence over N ranks (``"passes": ["autosp"]``,
+``sequence_parallel_size`` N). Reported per row: the median step, the peak resident memory of a rank (the largest
+over the ranks, whole process), and the peak of live tensor bytes above the step's start in one traced step
+(``benchmarks/memory.py``): what a step adds, the activations first of all. The losses of the rows are printed too:
+they are the same model's on the same data.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _row(args: argparse.Namespace) -> None:
+    """One launch's rank: build, train, measure; rank 0 writes the row's JSON to ``args.out``."""
+    sys.path.insert(0, REPO_ROOT)
+    from benchmarks import worker  # noqa: F401  (selects this checkout's deepspeed.compile)
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from benchmarks.memory import mark, step_peak, trace_memory
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    heads = max(args.hidden // 64, 2)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=args.length, attn_implementation="sdpa", use_cache=False))
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
+              "compile": {"deepcompile": True, **({"passes": ["autosp"]} if args.size > 1 else {})}}
+    if args.size > 1:
+        config["sequence_parallel_size"] = args.size
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    engine.compile(backend="eager")
+    group = rank // args.size
+
+    def step(i: int) -> float:
+        g = torch.Generator().manual_seed(1000 * i + group)
+        ids = torch.randint(0, args.vocab, (1, args.length), generator=g)
+        with mark("step"):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        return loss.item()
+
+    losses, times = [], []
+    for i in range(1 + args.warm + args.steps):
+        start = time.perf_counter()
+        losses.append(step(i))
+        times.append(time.perf_counter() - start)
+    peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
+    dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
+    with trace_memory() as traced:  # two steps: the second starts with every transient block known
+        step(len(times))
+        step(len(times) + 1)
+    window = step_peak(traced["timeline"], "step")
+    peak_above = torch.tensor([float(window.peak_bytes if window is not None else 0)], dtype=torch.float64)
+    dist.all_reduce(peak_above, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        from deepspeed.compile.report import engine_report
+        report = engine_report(engine) or {}
+        with open(args.out, "w") as f:
+            json.dump({"size": args.size, "first_step_s": times[0],
+                       "median_step_s": statistics.median(times[1 + args.warm:]), "losses": losses,
+                       "peak_rss_bytes": peak_rss.item(), "peak_above_start_bytes": peak_above.item(),
+                       "sequence_collectives": report.get("sequence_collectives")}, f)
+    engine.destroy()
+
+
+def _launch(args: argparse.Namespace, size: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
+            os.path.abspath(__file__), "--row", "--size", str(size), "--out", out,
+            *[f"--{k}={getattr(args, k)}" for k in ("length", "layers", "hidden", "vocab", "steps", "warm")]]
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL if not args.verbose else None)
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--row", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--sizes", default="1,2", help="comma-separated sequence_parallel_size per row (1: unsplit)")
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warm", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args()
+    if args.row:
+        _row(args)
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results = {size: [] for size in sizes}
+    for r in range(args.rounds):
+        for size in (sizes if r % 2 == 0 else sizes[::-1]):
+            results[size].append(_launch(args, size))
+    base = sizes[0]
+
+    def med(size, key):
+        return statistics.median(x[key] for x in results[size])
+
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.length} tokens a sequence, {args.ranks} ranks, "
+          f"ZeRO-3 defaults, eager backend, fp32; medians of {args.rounds} launches a row")
+    print("| sequence_parallel_size | median step | vs size {0} | peak RSS a rank | vs size {0} | step's peak tensor "
+          "bytes above its start | vs size {0} | losses |".format(base))
+    print("|---|---|---|---|---|---|---|---|")
+    for size in sizes:
+        step, rss, above = (med(size, k) for k in ("median_step_s", "peak_rss_bytes", "peak_above_start_bytes"))
+        print(f"| {size} | {step:.3f} s | {step / med(base, 'median_step_s'):.2f}x | {rss / 2 ** 30:.2f} GiB | "
+              f"{rss / med(base, 'peak_rss_bytes'):.2f}x | {above / 2 ** 20:.0f} MiB | "
+              f"{above / med(base, 'peak_above_start_bytes'):.2f}x | "
+              f"{', '.join(f'{x:.4f}' for x in results[size][0]['losses'])} |")
+
+
+if __name__ == "__main__":
+    main()
