@@ -1,18 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sequence parallelism's step time and memory per rank against the same model unsplit, side by side.
 
-    python benchmarks/sequence_parallel.py [--ranks 2] [--sizes 1,2] [--length 2048] [--rounds 2] [--steps 4]
+    python benchmarks/sequence_parallel.py [--ranks 2] [--sizes 1,2] [--length 2048] [--rounds 2] [--steps 4] \
+        [--backend eager|inductor] [--optimizer adamw|sgd]
 
 Each row is one launch of ``--ranks`` CPU ranks (``torch.distributed.run``), so that its peak resident memory is its
 own; the rows' launches alternate, ``--rounds`` times, and the medians of each row are compared. A row is DeepCompile
-at ZeRO-3 (DeepSpeed's default ZeRO settings, eager backend, fp32) on a ``transformers`` Llama with SDPA attention
-(``--layers`` layers of hidden size ``--hidden``), trained on ``--length`` tokens a sequence, micro-batch 1, every
-rank of a group fed the group's batch: size 1 is the model unsplit (each rank computes the whole sequence, as
-data-parallel ranks do), size N splits each sequence over N ranks (``"passes": ["autosp"]``,
-``sequence_parallel_size`` N). Reported per row: the median step, the peak resident memory of a rank (the largest
-over the ranks, whole process), and the peak of live tensor bytes above the step's start in one traced step
-(``benchmarks/memory.py``): what a step adds, the activations first of all. The losses of the rows are printed too:
-they are the same model's on the same data.
+at ZeRO-3 (DeepSpeed's default ZeRO settings, fp32) on a ``transformers`` Llama with SDPA attention (``--layers``
+layers of hidden size ``--hidden``), trained on ``--length`` tokens a sequence, micro-batch 1, every rank fed the
+same sequence: size 1 is the model unsplit (each rank computes the whole sequence), size N splits each sequence over
+N ranks (``"passes": ["autosp"]``, ``sequence_parallel_size`` N). Reported per row: the median step, the peak
+resident memory of a rank (the largest over the ranks, whole process), and the peak of live tensor bytes above the
+step's start in one traced step (``benchmarks/memory.py``): what a step adds, the activations first of all. The
+rows' losses are printed too: the same model's on the same data (with ``--optimizer sgd`` they agree to round-off;
+AdamW's first updates are about ``lr`` whatever a gradient's size, so round-off in a near-zero gradient shows in the
+later losses).
 """
 import argparse
 import json
@@ -45,17 +47,17 @@ def _row(args: argparse.Namespace) -> None:
         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
         max_position_embeddings=args.length, attn_implementation="sdpa", use_cache=False))
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}} if args.optimizer == "adamw"
+              else {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
               "compile": {"deepcompile": True, **({"passes": ["autosp"]} if args.size > 1 else {})}}
     if args.size > 1:
         config["sequence_parallel_size"] = args.size
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
-    engine.compile(backend="eager")
-    group = rank // args.size
+    engine.compile(backend=args.backend)
 
     def step(i: int) -> float:
-        g = torch.Generator().manual_seed(1000 * i + group)
+        g = torch.Generator().manual_seed(1000 * i)  # every rank the same sequence: the rows train alike
         ids = torch.randint(0, args.vocab, (1, args.length), generator=g)
         with mark("step"):
             loss = engine(input_ids=ids, labels=ids).loss
@@ -92,7 +94,8 @@ def _launch(args: argparse.Namespace, size: int) -> dict:
         out = f.name
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
             os.path.abspath(__file__), "--row", "--size", str(size), "--out", out,
-            *[f"--{k}={getattr(args, k)}" for k in ("length", "layers", "hidden", "vocab", "steps", "warm")]]
+            *[f"--{k}={getattr(args, k)}" for k in ("length", "layers", "hidden", "vocab", "steps", "warm",
+                                                    "optimizer", "backend")]]
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL if not args.verbose else None)
     with open(out) as f:
@@ -115,6 +118,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warm", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--backend", choices=("eager", "inductor"), default="eager")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="sgd: an update proportional to the gradient, so the rows' losses show their gradients agree "
+                        "(AdamW's first steps move every weight by about lr whatever its gradient's size)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
     if args.row:
@@ -131,7 +138,7 @@ def main() -> None:
         return statistics.median(x[key] for x in results[size])
 
     print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.length} tokens a sequence, {args.ranks} ranks, "
-          f"ZeRO-3 defaults, eager backend, fp32; medians of {args.rounds} launches a row")
+          f"ZeRO-3 defaults, {args.backend} backend, fp32, {args.optimizer}; medians of {args.rounds} launches a row")
     print("| sequence_parallel_size | median step | vs size {0} | peak RSS a rank | vs size {0} | step's peak tensor "
           "bytes above its start | vs size {0} | losses |".format(base))
     print("|---|---|---|---|---|---|---|---|")
