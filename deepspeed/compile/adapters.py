@@ -117,4 +117,23 @@ class ParameterData:
         return True
 
 
-ADAPTERS = (ModuleForward, ModuleCompile, ZeroBucketReduction, ParameterData)
+class TensorParallelDeferral:
+    """An AutoTP layer's ``defer_collectives_to_compiler`` (DeepSpeed's own switch: the layer skips its collectives
+    and, run outside a compiled graph, raises instead of computing without them), set while the graphs place the
+    collectives (``graph/tensor.py``) and cleared when the engine leaves DeepCompile. Written against DeepSpeed 0.19.8
+    (``TensorParallel_Layer.__init__`` sets it False; ``LinearLayer`` and ``LinearAllreduce`` read it in ``forward``,
+    ``_assert_compiled_if_deferred`` checks it)."""
+    TARGET = ("deepspeed.module_inject.layers", "TensorParallel_Layer", {"_assert_compiled_if_deferred": None}, Z12)
+
+    @staticmethod
+    def defer(layers) -> None:
+        for layer in layers:
+            layer.defer_collectives_to_compiler = True
+
+    @staticmethod
+    def restore(layers) -> None:
+        for layer in layers:
+            layer.defer_collectives_to_compiler = False
+
+
+ADAPTERS = (ModuleForward, ModuleCompile, ZeroBucketReduction, ParameterData, TensorParallelDeferral)

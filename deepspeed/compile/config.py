@@ -113,21 +113,29 @@ class CompileConfig(DeepSpeedConfigModel):
     memory a peer whose process is gone, or that stopped with an error, ends the wait within a second either way."""
 
     _sequence_parallel: bool = PrivateAttr(False)
+    _tensor_parallel: bool = PrivateAttr(False)
 
     @model_validator(mode="after")
-    def _take_autosp(self) -> "CompileConfig":
-        """``"autosp"`` in ``passes`` asks for sequence parallelism (``graph/sequence.py``), which runs inside this
-        module's ZeRO pipelines. DeepSpeed's engine sends a config that lists it to its own AutoSP backend instead,
-        and refuses it at ZeRO-2 and 3; taken out of the list here, every stage reaches this module."""
-        if self.passes and "autosp" in self.passes:
-            self._sequence_parallel = True
-            self.passes = [name for name in self.passes if name != "autosp"]
+    def _take_parallel_passes(self) -> "CompileConfig":
+        """``"autosp"`` in ``passes`` asks for sequence parallelism (``graph/sequence.py``), ``"autotp"`` for AutoTP's
+        collectives in the graphs (``graph/tensor.py``); both run inside this module's ZeRO pipelines. DeepSpeed's
+        engine sends a config that lists either to a backend of its own instead, which refuses AutoSP at ZeRO-2 and 3
+        and AutoTP with any ZeRO pass; taken out of the list here, every stage reaches this module."""
+        if self.passes and ("autosp" in self.passes or "autotp" in self.passes):
+            self._sequence_parallel = "autosp" in self.passes
+            self._tensor_parallel = "autotp" in self.passes
+            self.passes = [name for name in self.passes if name not in ("autosp", "autotp")]
         return self
 
     @property
     def sequence_parallel(self) -> bool:
         """Whether ``passes`` listed ``"autosp"``: shard each sequence over ``sequence_parallel_size`` ranks."""
         return self._sequence_parallel
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether ``passes`` listed ``"autotp"``: AutoTP's collectives placed in the graphs."""
+        return self._tensor_parallel
 
 
 # Stock options this module does not implement, with what happens when they are set.

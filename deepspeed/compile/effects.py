@@ -12,9 +12,11 @@ effect                    why                                                   
 ``deepspeed.compile``     stock DeepSpeed ships a ``deepspeed/compile`` package of its own; a  ``_deepspeed_compile_hook
 name precedence           meta-path finder makes the name resolve to this package, at          .install``, by the
                           interpreter start, so it never writes over DeepSpeed's files         ``.pth`` file (setup.py)
-``dsc::`` graph ops       the ops the graphs carry (gather, release, reduce) and their         :func:`custom_op`,
-                          untraced twins must be known to the dispatcher before any graph      :func:`op_library`,
-                          is traced or run                                                     :func:`register_fake`,
+``dsc::`` graph ops       the ops the graphs carry (gather, release, reduce, the sequence and  :func:`custom_op`,
+                          tensor groups' collectives) and their untraced twins must be known   :func:`op_library`,
+                          to the dispatcher before any graph is traced or run; and             :func:`register_fake`,
+                          ``autotp::gather_from_tp_region``, which DeepSpeed's AutoTP layers
+                          call by name from stock's ``deepspeed.compile``
                                                                                                :func:`mark_side_effect`;
                                                                                                ``runtime/ops.py`` at
                                                                                                import

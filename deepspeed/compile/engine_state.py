@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NoReturn,
 from deepspeed.utils import logger
 
 from . import compat, effects
-from .adapters import ModuleCompile
+from .adapters import ModuleCompile, TensorParallelDeferral
 from .integrations import ds_checkpointing
 from .config import CompileConfig, unimplemented_options
 
@@ -338,6 +338,10 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
     compat.check(3)  # a torch or DeepSpeed the package was not written for: refused before any change
     if not _check_options(compile_config, backend, schedule, param_offload_device(engine)):
         return None
+    if compile_config.tensor_parallel:
+        fall_back("compile pass 'autotp' at ZeRO stage 3", "deepspeed-compile places AutoTP's collectives in ZeRO-1/2's "
+                  "graphs; at ZeRO-3 AutoTP's layers run with their own collectives")
+        return None
     inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
     _check_regions(engine, compile_config)
     _warn_zeropp(engine)
@@ -361,10 +365,28 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
         return None
     inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
     _check_regions(engine, compile_config)
+    tensor_layers = _tensor_parallel_layers(engine) if compile_config.tensor_parallel else []
     from .runtime.z12 import Z12Runtime
     runtime = Z12Runtime(engine, stage=stage, timeout_s=compile_config.collective_timeout_s,
                          host_comm=compile_config.host_comm, host_comm_dir=compile_config.host_comm_dir)
+    if tensor_layers:
+        from deepspeed.utils import groups
+        from .runtime.tensor import TensorGroup
+        runtime.tensor = TensorGroup(groups.get_tensor_model_parallel_group(), runtime.comm)
+        runtime.tensor_layers = tensor_layers
+        TensorParallelDeferral.defer(tensor_layers)
     return _activate(engine, runtime, stage, backend, compile_config, inductor_config, compile_kwargs)
+
+
+def _tensor_parallel_layers(engine) -> list:
+    """``"passes": ["autotp"]``: the AutoTP layers whose collectives the graphs take over (``graph/tensor.py``), or a
+    ValueError naming one they cannot, before anything changes; none (and a warning) where AutoTP shards nothing."""
+    from .graph.tensor import layer_kinds
+    if engine.autotp_size() <= 1:
+        logger.warning("deepspeed-compile: compile.passes lists 'autotp' but tensor_parallel.autotp_size is "
+                       f"{engine.autotp_size()}: AutoTP shards nothing, so there is nothing to place")
+        return []
+    return [engine.module.get_submodule(name) for name in layer_kinds(engine.module)]
 
 
 def deactivate(engine, uncompile: bool = False) -> None:

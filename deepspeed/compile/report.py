@@ -49,6 +49,9 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         # in the forward graphs (all-to-alls around attention, the loss's sum, outputs gathered)
         "sequence_parallel_size": 1 if runtime.sequence is None else runtime.sequence.size,
         "sequence_collectives": state.stats.sequence_collectives,
+        # "passes": ["autotp"]: AutoTP's group size (1: none), and its layers whose collectives the graphs place
+        "tensor_parallel_size": 1 if runtime.tensor is None else runtime.tensor.size,
+        "tensor_parallel_layers": state.stats.tensor_parallel_layers,
     }
     report.update(runtime.report_items())  # what the stage's parts did (ZeRO-3's gathers, ZeRO-1/2's hand-offs)
     return report

@@ -34,6 +34,7 @@ from ..graph.recompute import tag_param_aliases_pass
 from ..graph.runner import run_passes
 from ..graph.saved import SavedBytes, saved_for_backward
 from ..graph.sequence import shard_sequence
+from ..graph.tensor import place_tensor_collectives
 from ..schedule.fast_free import fast_free_schedule
 from ..schedule.memory_plan import peak_gathered_bytes
 
@@ -60,6 +61,7 @@ class CompileStats:
                                                                        "partition": 0.0})
     kept_gathered_bytes: int = 0  # of compile.keep_gathered_bytes, taken by parameters kept gathered for backward
     sequence_collectives: int = 0  # collectives of the sequence group placed in the forward graphs (autosp)
+    tensor_parallel_layers: int = 0  # AutoTP layers whose collectives the forward graphs place (autotp)
 
     def add(self, part: Dict) -> None:
         """Add what compiling one direction of one graph found (:meth:`GraphCompiler._account`)."""
@@ -265,6 +267,7 @@ def _aot_compile(compiler: GraphCompiler, gm: GraphModule, example_inputs) -> Ca
     sequence = runtime.sequence
     key = cache.compile_key(config=settings, stage=runtime.stage,
                             sequence=None if sequence is None else (sequence.size, sequence.rank),
+                            tensor=None if runtime.tensor is None else runtime.tensor.size,
                             world=torch.distributed.get_world_size(),
                             runtime_id=runtime.id, gather_bucket_numel=runtime.gather_bucket_numel,
                             keep=compiler.stage_graphs.keep_key(compiler), kept_before=stats.kept_gathered_bytes,
@@ -311,6 +314,8 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             grad_ds_ids = runtime.grad_ds_ids(example_inputs)
             gathered = {i: ds_id for i, ds_id in enumerate(param_ds_ids) if ds_id is not None}
             cut_inputs = shard_sequence_of(runtime, gm, stats)
+            if runtime.tensor is not None:  # AutoTP's collectives where its layers' own are switched off
+                stats.tensor_parallel_layers += place_tensor_collectives(gm, runtime.id)
             uncompiled = GraphModule(gm, copy.deepcopy(gm.graph))  # the dynamo graph as traced, for other params
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()

@@ -314,11 +314,11 @@ def seq_all_reduce(x: Tensor, runtime_id: int) -> Tensor:
 
 
 @seq_all_reduce.register_fake
-def _(x: Tensor, runtime_id: int) -> Tensor:
+def _seq_all_reduce_fake(x: Tensor, runtime_id: int) -> Tensor:
     return torch.empty_like(x)
 
 
-def _all_reduce_context(ctx, inputs, output) -> None:
+def _keep_runtime_id(ctx, inputs, output) -> None:
     ctx.runtime_id = inputs[1]
 
 
@@ -327,9 +327,97 @@ def _all_reduce_backward(ctx, grad: Tensor):
     return seq_all_reduce(grad, ctx.runtime_id), None
 
 
-seq_all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_context)
+seq_all_reduce.register_autograd(_all_reduce_backward, setup_context=_keep_runtime_id)
 
 SEQ_ALL_TO_ALL = torch.ops.dsc.seq_all_to_all.default
 SEQ_ALL_GATHER = torch.ops.dsc.seq_all_gather.default
 SEQ_REDUCE_SCATTER = torch.ops.dsc.seq_reduce_scatter.default
 SEQ_ALL_REDUCE = torch.ops.dsc.seq_all_reduce.default
+
+
+# ----- tensor parallelism: the collectives of AutoTP's group (``graph/tensor.py`` places them) -----------------
+# A column-parallel linear (AutoTP's ``LinearLayer``) reads the whole input and computes its block of the outputs: its
+# input's gradient is a sum over the group (``tp_enter``). A row-parallel one (``LinearAllreduce``) reads its block of
+# the inputs and computes a part of every output: the parts are summed (``tp_sum``). Megatron-LM's f and g.
+def _tensor_group(runtime_id: int):
+    return registry.lookup(runtime_id).tensor
+
+
+@effects.custom_op("dsc::tp_enter", mutates_args=())
+def tp_enter(x: Tensor, runtime_id: int) -> Tensor:
+    """``x`` (a copy: an op may not return its input) entering a column-parallel linear; its gradient is summed over
+    the tensor-parallel group."""
+    return x.clone()
+
+
+def _same_shape(x: Tensor, runtime_id: int) -> Tensor:
+    return torch.empty_like(x)
+
+
+tp_enter.register_fake(_same_shape)
+
+
+def _tp_enter_backward(ctx, grad: Tensor):
+    return tp_sum(grad, ctx.runtime_id), None
+
+
+@effects.custom_op("dsc::tp_sum", mutates_args=())
+def tp_sum(x: Tensor, runtime_id: int) -> Tensor:
+    """The sum over the tensor-parallel group of each rank's part of a row-parallel linear's output."""
+    return _tensor_group(runtime_id).all_reduce(x)
+
+
+tp_sum.register_fake(_same_shape)
+
+
+def _tp_sum_backward(ctx, grad: Tensor):
+    """Each part's gradient is the sum's, on every rank."""
+    return grad, None
+
+
+tp_enter.register_autograd(_tp_enter_backward, setup_context=_keep_runtime_id)
+tp_sum.register_autograd(_tp_sum_backward, setup_context=_keep_runtime_id)
+
+TP_ENTER = torch.ops.dsc.tp_enter.default
+TP_SUM = torch.ops.dsc.tp_sum.default
+
+
+# DeepSpeed's AutoTP ``LinearLayer`` with ``gather_output`` (a column-parallel head whose every rank needs the whole
+# output), its collectives deferred, calls this op by name (``torch.ops.autotp.gather_from_tp_region``): stock
+# DeepSpeed defines it in its own ``deepspeed.compile``, which this package stands in for, so it is defined here, on
+# AutoTP's group (DeepSpeed's ``groups``). Every rank computes the same from the whole output, so the gradient of its
+# block is its block of the gradient.
+def _autotp_group():
+    from deepspeed.utils import groups
+    return groups.get_tensor_model_parallel_group()
+
+
+@effects.custom_op("autotp::gather_from_tp_region", mutates_args=())
+def autotp_gather(input: Tensor, partition_sizes: List[int]) -> Tensor:
+    """The blocks of the last dimension of every rank of AutoTP's group (widths ``partition_sizes``), joined."""
+    import torch.distributed as dist
+    group = _autotp_group()
+    widest = max(partition_sizes)
+    padded = torch.nn.functional.pad(input, (0, widest - input.shape[-1])).contiguous()
+    blocks = [torch.empty_like(padded) for _ in partition_sizes]
+    dist.all_gather(blocks, padded, group=group)
+    return torch.cat([block[..., :width] for block, width in zip(blocks, partition_sizes)], dim=-1)
+
+
+@autotp_gather.register_fake
+def _(input: Tensor, partition_sizes: List[int]) -> Tensor:
+    return input.new_empty((*input.shape[:-1], sum(partition_sizes)))
+
+
+def _autotp_gather_context(ctx, inputs, output) -> None:
+    ctx.partition_sizes = list(inputs[1])
+
+
+def _autotp_gather_backward(ctx, grad: Tensor):
+    import torch.distributed as dist
+    rank = dist.get_rank(group=_autotp_group())
+    start = sum(ctx.partition_sizes[:rank])
+    return grad.narrow(-1, start, ctx.partition_sizes[rank]).contiguous(), None
+
+
+autotp_gather.register_autograd(_autotp_gather_backward, setup_context=_autotp_gather_context)

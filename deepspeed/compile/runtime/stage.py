@@ -18,6 +18,7 @@ from typing import List, Optional
 
 import torch
 
+from ..adapters import TensorParallelDeferral
 from . import registry
 from .agreement import Peers
 from .comm import CommLog, Counters
@@ -49,6 +50,8 @@ class StageRuntime:
         self.phase = Phase.IDLE
         self.input_cast_hook = None  # fp16 auto_cast: the engine's input cast, as a forward pre-hook (engine_state)
         self.sequence = None  # the sequence group where "passes" lists "autosp" (runtime/sequence.py), else None
+        self.tensor = None  # AutoTP's group where "passes" lists "autotp" (runtime/tensor.py), else None
+        self.tensor_layers: List = []  # the AutoTP layers whose collectives the graphs place (adapters)
         self.id = registry.register(self)
 
     # ----- what the engine and the report read ------------------------------------------------------------
@@ -108,3 +111,5 @@ class StageRuntime:
         if self.input_cast_hook is not None:
             self.input_cast_hook.remove()
             self.input_cast_hook = None
+        TensorParallelDeferral.restore(self.tensor_layers)  # the layers' own collectives back
+        self.tensor_layers = []

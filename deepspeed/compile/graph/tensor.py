@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tensor parallelism (AutoTP) in a dynamo graph: the collectives of AutoTP's sharded linear layers placed in the
+graph, where their layers' own are switched off (``runtime/tensor.py``).
+
+A column-parallel layer (``LinearLayer``: its block of the output features) gets its input through ``tp_enter``,
+whose gradient is summed over the group; layers reading the same input share one (their gradients add up before the
+one all-reduce). A row-parallel layer (``LinearAllreduce``: its block of the input features) has its product summed
+over the group by ``tp_sum`` before its bias is added, as the layer itself does. Each layer's product is found by its
+module in the node's ``nn_module_stack`` (dynamo records which module each op was traced in): one ``matmul`` a layer.
+"""
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..runtime import ops
+
+# the AutoTP layers whose collectives the graphs take over, by class name: column- or row-parallel
+LAYER_KINDS = {"LinearLayer": "column", "LinearAllreduce": "row"}
+
+
+_PRODUCTS = {torch.matmul, torch._C._nn.linear, torch.nn.functional.linear}
+
+
+def _layer_of(node: Node) -> Optional[Tuple[str, str]]:
+    """The innermost module ``node`` was traced in, as (its key in the stack, its class's name)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    key, (_, cls) = list(stack.items())[-1]
+    return key, cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+
+
+def place_tensor_collectives(gm: GraphModule, runtime_id: int) -> int:
+    """Place the collectives of every AutoTP layer traced in ``gm``; returns how many layers got them. A layer with
+    two products raises (its collective's place would be a guess)."""
+    placed: Dict[str, Node] = {}
+    entered: Dict[Node, Node] = {}  # an input -> its tp_enter, shared by the column-parallel layers reading it
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _PRODUCTS:
+            continue
+        layer = _layer_of(node)
+        kind = LAYER_KINDS.get(layer[1]) if layer is not None else None
+        if kind is None:
+            continue
+        if layer[0] in placed:
+            raise RuntimeError(f"deepspeed-compile: the AutoTP layer {layer[0]} computes more than one product in the "
+                               "traced graph; its collective's place is not known")
+        placed[layer[0]] = node
+        if kind == "column":
+            x = node.args[0]
+            if x not in entered:
+                first_op = next(n for n in gm.graph.nodes if n.op != "placeholder")
+                with gm.graph.inserting_before(first_op) if x.op == "placeholder" else gm.graph.inserting_after(x):
+                    entered[x] = gm.graph.call_function(ops.TP_ENTER, (x, runtime_id))
+            node.update_arg(0, entered[x])
+        else:
+            users = list(node.users)
+            with gm.graph.inserting_after(node):
+                summed = gm.graph.call_function(ops.TP_SUM, (node, runtime_id))
+            for user in users:
+                user.replace_input_with(node, summed)
+    gm.graph.lint()
+    gm.recompile()
+    return len(placed)
+
+
+def layer_kinds(module) -> "dict":
+    """The AutoTP layers of ``module`` the graphs take over (name -> ``"column"`` or ``"row"``), and a ValueError
+    naming the first tensor-parallel layer they cannot: another AutoTP layer class, or ``tp_overlap_comm``. A
+    ``LinearLayer`` with ``gather_output`` gathers through ``autotp::gather_from_tp_region`` (``runtime/ops.py``)."""
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+    kinds = {}
+    for name, layer in module.named_modules():
+        if not isinstance(layer, TensorParallel_Layer) or getattr(layer, "mp_group", None) is None:
+            continue
+        kind = LAYER_KINDS.get(type(layer).__name__)
+        if kind is None or type(layer).tp_overlap_comm:
+            raise ValueError(f"deepspeed-compile: the AutoTP compile pass places the collectives of AutoTP's "
+                             f"LinearLayer and LinearAllreduce (without tp_overlap_comm); '{name}' is a "
+                             f"{type(layer).__name__}")
+        kinds[name] = kind
+    return kinds
