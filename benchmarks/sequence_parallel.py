@@ -1,20 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Sequence parallelism's step time and memory per rank against the same model unsplit, side by side.
+"""Sequence (and tensor) parallelism's step time and memory per rank against the same model unsplit, side by side.
 
     python benchmarks/sequence_parallel.py [--ranks 2] [--sizes 1,2] [--length 2048] [--rounds 2] [--steps 4] \
-        [--backend eager|inductor] [--optimizer adamw|sgd]
+        [--backend eager|inductor] [--optimizer adamw|sgd] [--kind sp|tp]
 
 Each row is one launch of ``--ranks`` CPU ranks (``torch.distributed.run``), so that its peak resident memory is its
 own; the rows' launches alternate, ``--rounds`` times, and the medians of each row are compared. A row is DeepCompile
 at ZeRO-3 (DeepSpeed's default ZeRO settings, fp32) on a ``transformers`` Llama with SDPA attention (``--layers``
 layers of hidden size ``--hidden``), trained on ``--length`` tokens a sequence, micro-batch 1, every rank fed the
 same sequence: size 1 is the model unsplit (each rank computes the whole sequence), size N splits each sequence over
-N ranks (``"passes": ["autosp"]``, ``sequence_parallel_size`` N). Reported per row: the median step, the peak
-resident memory of a rank (the largest over the ranks, whole process), and the peak of live tensor bytes above the
-step's start in one traced step (``benchmarks/memory.py``): what a step adds, the activations first of all. The
-rows' losses are printed too: the same model's on the same data (with ``--optimizer sgd`` they agree to round-off;
-AdamW's first updates are about ``lr`` whatever a gradient's size, so round-off in a near-zero gradient shows in the
-later losses).
+N ranks (``"passes": ["autosp"]``, ``sequence_parallel_size`` N). ``--kind tp``: the rows are ZeRO-1 instead, and
+size N shards the linear layers over N ranks with AutoTP (``tensor_parallel.autotp_size`` N, ``"passes":
+["autotp"]``). Reported per row: the median step, the peak resident memory of a rank (the largest over the ranks,
+whole process), and the peak of live tensor bytes above the step's start in one traced step
+(``benchmarks/memory.py``): what a step adds, the activations first of all. The rows' losses are printed too: the
+same model's on the same data (with ``--optimizer sgd`` they agree to round-off; AdamW's first updates are about
+``lr`` whatever a gradient's size, so round-off in a near-zero gradient shows in the later losses).
 """
 import argparse
 import json
@@ -46,12 +47,20 @@ def _row(args: argparse.Namespace) -> None:
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
         max_position_embeddings=args.length, attn_implementation="sdpa", use_cache=False))
+    tensor = args.kind == "tp"
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}} if args.optimizer == "adamw"
               else {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
-              "compile": {"deepcompile": True, **({"passes": ["autosp"]} if args.size > 1 else {})}}
+              "zero_optimization": {"stage": 1 if tensor else 3}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10 ** 9,
+              "compile": {"deepcompile": True}}
+    if args.reduce_bucket_size:
+        config["zero_optimization"]["reduce_bucket_size"] = args.reduce_bucket_size
     if args.size > 1:
+        config["compile"]["passes"] = ["autotp" if tensor else "autosp"]
+    if args.size > 1 and tensor:
+        config["tensor_parallel"] = {"autotp_size": args.size}
+    elif args.size > 1:
         config["sequence_parallel_size"] = args.size
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     engine.compile(backend=args.backend)
@@ -94,8 +103,9 @@ def _launch(args: argparse.Namespace, size: int) -> dict:
         out = f.name
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
             os.path.abspath(__file__), "--row", "--size", str(size), "--out", out,
-            *[f"--{k}={getattr(args, k)}" for k in ("length", "layers", "hidden", "vocab", "steps", "warm",
-                                                    "optimizer", "backend")]]
+            *[f"--{k.replace('_', '-')}={getattr(args, k)}"
+              for k in ("length", "layers", "hidden", "vocab", "steps", "warm", "optimizer", "backend", "kind",
+                        "reduce_bucket_size")]]
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL if not args.verbose else None)
     with open(out) as f:
@@ -119,6 +129,12 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--backend", choices=("eager", "inductor"), default="eager")
+    p.add_argument("--reduce-bucket-size", type=int, default=0,
+                   help="zero_optimization.reduce_bucket_size (0: DeepSpeed's default, 5e8 elements, whose ZeRO-1/2 "
+                        "bucket of 2 GB in fp32 is most of a ZeRO-1 step's peak)")
+    p.add_argument("--kind", choices=("sp", "tp"), default="sp",
+                   help="tp: size N rows shard the linears with AutoTP (tensor_parallel.autotp_size N, "
+                        "\"passes\": [\"autotp\"]) at ZeRO-1, against ZeRO-1 unsplit")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="sgd: an update proportional to the gradient, so the rows' losses show their gradients agree "
                         "(AdamW's first steps move every weight by about lr whatever its gradient's size)")
@@ -137,10 +153,14 @@ def main() -> None:
     def med(size, key):
         return statistics.median(x[key] for x in results[size])
 
+    what = "autotp_size" if args.kind == "tp" else "sequence_parallel_size"
     print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.length} tokens a sequence, {args.ranks} ranks, "
-          f"ZeRO-3 defaults, {args.backend} backend, fp32, {args.optimizer}; medians of {args.rounds} launches a row")
-    print("| sequence_parallel_size | median step | vs size {0} | peak RSS a rank | vs size {0} | step's peak tensor "
-          "bytes above its start | vs size {0} | losses |".format(base))
+          f"ZeRO-{1 if args.kind == 'tp' else 3} "
+          f"{'defaults' if not args.reduce_bucket_size else f'reduce_bucket_size {args.reduce_bucket_size}'}, "
+          f"{args.backend} backend, fp32, {args.optimizer}; medians "
+          f"of {args.rounds} launches a row")
+    print(f"| {what} | median step | vs size {base} | peak RSS a rank | vs size {base} | step's peak tensor bytes "
+          f"above its start | vs size {base} | losses |")
     print("|---|---|---|---|---|---|---|---|")
     for size in sizes:
         step, rss, above = (med(size, k) for k in ("median_step_s", "peak_rss_bytes", "peak_above_start_bytes"))
