@@ -73,11 +73,11 @@ def _train(engine, sp: int, steps: int):
     return {"losses": losses, "grads": grads, "params": full_params(engine)}
 
 
-def _against_eager(name: str, stage: int, sp: int, steps: int):
+def _against_eager(name: str, stage: int, sp: int, steps: int, backend: str = "eager"):
     """The split model and eager ZeRO of the same stage, trained alike."""
     from deepspeed.compile.report import engine_report
     torch._dynamo.reset()
-    engine = _engine(name, stage, sp, "eager")
+    engine = _engine(name, stage, sp, backend)
     out = _train(engine, sp, steps)
     out["report"] = engine_report(engine)
     engine.destroy()
@@ -118,7 +118,8 @@ def _two_ranks(steps):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     out = {("llama", 3): _against_eager("llama", 3, 2, steps), ("llama", 1): _against_eager("llama", 1, 2, steps),
-           ("gpt2", 3): _against_eager("gpt2", 3, 2, steps)}
+           ("gpt2", 3): _against_eager("gpt2", 3, 2, steps),
+           ("llama", 3, "inductor"): _against_eager("llama", 3, 2, steps, "inductor")}
     out["bf16"] = _bf16(out[("llama", 3)]["eager"]["grads"])
     out["errors"] = _errors()
     return out
@@ -141,10 +142,11 @@ def _check(r):
     assert max(params.values()) <= FP32_REORDER_TOL, ("params", sorted(params.items(), key=lambda kv: -kv[1])[:3])
 
 
-@pytest.mark.parametrize("case", [("llama", 3), ("llama", 1), ("gpt2", 3)], ids=["llama-zero3", "llama-zero1",
-                                                                                 "gpt2-zero3"])
+@pytest.mark.parametrize("case", [("llama", 3), ("llama", 1), ("gpt2", 3), ("llama", 3, "inductor")],
+                         ids=["llama-zero3", "llama-zero1", "gpt2-zero3", "llama-zero3-inductor"])
 def test_sequence_parallel_trains_as_the_unsharded_model(two_ranks, case):
-    """2 ranks, one sequence group, against eager ZeRO of the same stage."""
+    """2 ranks, one sequence group, against eager ZeRO of the same stage (the eager backend, and inductor, whose fp32
+    reordering the same tolerance covers: ``compare.FP32_REORDER_TOL``)."""
     for result in two_ranks:
         _check(result[case])
 
