@@ -54,16 +54,19 @@ def _row(args: argparse.Namespace) -> None:
               "zero_optimization": {"stage": 1 if tensor else 3}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10 ** 9,
               "compile": {"deepcompile": True}}
+    if args.eager:  # DeepSpeed's own, not compiled
+        del config["compile"]
     if args.reduce_bucket_size:
         config["zero_optimization"]["reduce_bucket_size"] = args.reduce_bucket_size
-    if args.size > 1:
+    if args.size > 1 and not args.eager:
         config["compile"]["passes"] = ["autotp" if tensor else "autosp"]
     if args.size > 1 and tensor:
         config["tensor_parallel"] = {"autotp_size": args.size}
     elif args.size > 1:
         config["sequence_parallel_size"] = args.size
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
-    engine.compile(backend=args.backend)
+    if not args.eager:
+        engine.compile(backend=args.backend)
 
     def step(i: int) -> float:
         g = torch.Generator().manual_seed(1000 * i)  # every rank the same sequence: the rows train alike
@@ -98,11 +101,13 @@ def _row(args: argparse.Namespace) -> None:
     engine.destroy()
 
 
-def _launch(args: argparse.Namespace, size: int) -> dict:
+def _launch(args: argparse.Namespace, row: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
+    eager = row.startswith("eager")
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
-            os.path.abspath(__file__), "--row", "--size", str(size), "--out", out,
+            os.path.abspath(__file__), "--row", "--size", row[len("eager"):] if eager else row, "--out", out,
+            *(["--eager"] if eager else []),
             *[f"--{k.replace('_', '-')}={getattr(args, k)}"
               for k in ("length", "layers", "hidden", "vocab", "steps", "warm", "optimizer", "backend", "kind",
                         "reduce_bucket_size")]]
@@ -120,7 +125,9 @@ def main() -> None:
     p.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--sizes", default="1,2", help="comma-separated sequence_parallel_size per row (1: unsplit)")
+    p.add_argument("--sizes", default="1,2", help="comma-separated size per row (1: unsplit); eagerN: DeepSpeed's own "
+                   "at size N, not compiled (--kind tp: AutoTP's layers with their own collectives)")
+    p.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -143,7 +150,9 @@ def main() -> None:
     if args.row:
         _row(args)
         return
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes.split(",")
+    if args.kind == "sp" and any(size.startswith("eager") and size != "eager1" for size in sizes):
+        raise SystemExit("--sizes: DeepSpeed's own sequence parallelism (Ulysses) is not a row here")
     results = {size: [] for size in sizes}
     for r in range(args.rounds):
         for size in (sizes if r % 2 == 0 else sizes[::-1]):
