@@ -54,6 +54,7 @@ def _row(args: argparse.Namespace) -> None:
               "zero_optimization": {"stage": 1 if tensor else 3}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10 ** 9,
               "compile": {"deepcompile": True}}
+    config["compile"].update(json.loads(args.section))
     if args.eager:  # DeepSpeed's own, not compiled
         del config["compile"]
     if args.reduce_bucket_size:
@@ -110,7 +111,7 @@ def _launch(args: argparse.Namespace, row: str) -> dict:
             *(["--eager"] if eager else []),
             *[f"--{k.replace('_', '-')}={getattr(args, k)}"
               for k in ("length", "layers", "hidden", "vocab", "steps", "warm", "optimizer", "backend", "kind",
-                        "reduce_bucket_size")]]
+                        "reduce_bucket_size", "section")]]
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL if not args.verbose else None)
     with open(out) as f:
@@ -128,6 +129,7 @@ def main() -> None:
     p.add_argument("--sizes", default="1,2", help="comma-separated size per row (1: unsplit); eagerN: DeepSpeed's own "
                    "at size N, not compiled (--kind tp: AutoTP's layers with their own collectives)")
     p.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--section", default="{}", help="JSON object merged into the compiled rows' \"compile\" section")
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
