@@ -83,6 +83,13 @@ def _row(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         losses.append(step(i))
         times.append(time.perf_counter() - start)
+    if args.profile:  # one more step, its ops by self CPU time (rank 0)
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(len(times))
+        if rank == 0:
+            print(f"==== row {'eager' if args.eager else 'compiled'} size {args.size}: one step's ops", flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile), flush=True)
     peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
     dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
     with trace_memory() as traced:  # two steps: the second starts with every transient block known
@@ -111,9 +118,10 @@ def _launch(args: argparse.Namespace, row: str) -> dict:
             *(["--eager"] if eager else []),
             *[f"--{k.replace('_', '-')}={getattr(args, k)}"
               for k in ("length", "layers", "hidden", "vocab", "steps", "warm", "optimizer", "backend", "kind",
-                        "reduce_bucket_size", "section")]]
+                        "reduce_bucket_size", "section", "profile")]]
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL if not args.verbose else None)
+    quiet = not (args.verbose or args.profile)
+    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL if quiet else None)
     with open(out) as f:
         result = json.load(f)
     os.unlink(out)
@@ -148,6 +156,8 @@ def main() -> None:
                    help="sgd: an update proportional to the gradient, so the rows' losses show their gradients agree "
                         "(AdamW's first steps move every weight by about lr whatever its gradient's size)")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--profile", type=int, default=0, help="N > 0: print each row's N costliest ops (self CPU time) of "
+                   "one more step, after the timed ones")
     args = p.parse_args()
     if args.row:
         _row(args)
