@@ -305,11 +305,13 @@ def _prepare_module_compile(engine, wrap_direct_calls: bool, drop_fullgraph: boo
             return
         compiled_call = ModuleCompile.compiled_call(module)
         state = state_of(engine, active_only=False)
-        sequence = state is not None and state.runtime.sequence is not None
-        from .runtime.sequence import mark_dynamic_lengths
+        if state is not None and state.runtime.sequence is not None:
+            from .runtime.sequence import mark_dynamic_lengths
+        else:
+            mark_dynamic_lengths = None
 
         def call(*call_args, **call_kwargs):
-            if sequence:
+            if mark_dynamic_lengths is not None:
                 mark_dynamic_lengths(call_args, call_kwargs)
             with direct_call_context(engine):
                 return compiled_call(*call_args, **call_kwargs)
@@ -371,8 +373,8 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
                          host_comm=compile_config.host_comm, host_comm_dir=compile_config.host_comm_dir)
     if tensor_layers:
         from deepspeed.utils import groups
-        from .runtime.tensor import TensorGroup
-        runtime.tensor = TensorGroup(groups.get_tensor_model_parallel_group(), runtime.comm)
+        from .runtime.tensor import tensor_group
+        runtime.tensor = tensor_group(groups.get_tensor_model_parallel_group(), runtime.comm)
         runtime.tensor_layers = tensor_layers
         TensorParallelDeferral.defer(tensor_layers)
     return _activate(engine, runtime, stage, backend, compile_config, inductor_config, compile_kwargs)

@@ -17,22 +17,37 @@ from torch import Tensor
 from .comm import CommLog
 
 
-class SequenceGroup:
+class RankGroup:
+    """A process group's collectives as the graph ops run them: each waits at most ``compile.collective_timeout_s``
+    (``comm``) and names itself and its group (``label``) when it times out."""
+
+    def __init__(self, group, comm: CommLog, label: str):
+        self.group = group
+        self.size = dist.get_world_size(group=group)
+        self.comm = comm
+        self.label = label
+
+    def _wait(self, work, what: Callable[[], str]) -> None:
+        self.comm.wait(work, lambda: f"{what()} of {self.label}")
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        total = x.detach().clone(memory_format=torch.contiguous_format)
+        self._wait(dist.all_reduce(total, group=self.group, async_op=True),
+                   lambda: f"an all-reduce of {tuple(x.shape)}")
+        return total
+
+
+class SequenceGroup(RankGroup):
 
     def __init__(self, size: int, comm: CommLog):
         world, rank = dist.get_world_size(), dist.get_rank()
         check_size(size, world)
-        self.size = size
         self.rank = rank % size  # this rank's block of each sequence
         self.index = rank // size  # which group: the data-parallel index of the batch it is fed
         self.ranks = list(range(self.index * size, (self.index + 1) * size))
         # every rank creates every group, in the same order (torch.distributed's rule for new_group)
         groups = [dist.new_group(list(range(i * size, (i + 1) * size))) for i in range(world // size)]
-        self.group = groups[self.index]
-        self.comm = comm
-
-    def _wait(self, work, what: Callable[[], str]) -> None:
-        self.comm.wait(work, lambda: f"{what()} of the sequence group (ranks {self.ranks})")
+        super().__init__(groups[self.index], comm, f"the sequence group (ranks {self.ranks})")
 
     def all_to_all(self, x: Tensor, scatter_dim: int, gather_dim: int) -> Tensor:
         sent = torch.stack(x.chunk(self.size, dim=scatter_dim)).contiguous()
@@ -51,12 +66,6 @@ class SequenceGroup:
     def reduce_scatter(self, x: Tensor, dim: int) -> Tensor:
         total = self.all_reduce(x)
         return total.chunk(self.size, dim=dim)[self.rank].contiguous()
-
-    def all_reduce(self, x: Tensor) -> Tensor:
-        total = x.detach().clone(memory_format=torch.contiguous_format)
-        self._wait(dist.all_reduce(total, group=self.group, async_op=True),
-                   lambda: f"an all-reduce of {tuple(x.shape)}")
-        return total
 
     def guard(self, compiled: Callable, cut_inputs: List[Tuple[int, int]]) -> Callable:
         """``compiled`` (a graph :func:`~..graph.sequence.shard_sequence` rewrote), refusing a sequence length the

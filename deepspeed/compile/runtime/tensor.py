@@ -4,24 +4,10 @@
 ``LinearLayer``, column-parallel, and ``LinearAllreduce``, row-parallel) and builds the group; the layers' own
 collectives are switched off (``adapters.TensorParallelDeferral``) and ``graph/tensor.py`` places them in the graphs.
 """
-import torch
-import torch.distributed as dist
-from torch import Tensor
-
 from .comm import CommLog
+from .sequence import RankGroup
 
 
-class TensorGroup:
-    """AutoTP's group (DeepSpeed's ``groups.get_tensor_model_parallel_group()``), its all-reduce timed out and named
-    as every collective of the runtime."""
-
-    def __init__(self, group, comm: CommLog):
-        self.group = group
-        self.size = dist.get_world_size(group=group)
-        self.comm = comm
-
-    def all_reduce(self, x: Tensor) -> Tensor:
-        total = x.detach().clone(memory_format=torch.contiguous_format)
-        self.comm.wait(dist.all_reduce(total, group=self.group, async_op=True),
-                       lambda: f"a tensor-parallel all-reduce of {tuple(x.shape)}")
-        return total
+def tensor_group(group, comm: CommLog) -> RankGroup:
+    """AutoTP's group (DeepSpeed's ``groups.get_tensor_model_parallel_group()``) for the ``dsc::tp_*`` ops."""
+    return RankGroup(group, comm, "AutoTP's tensor-parallel group")
