@@ -444,3 +444,67 @@ def test_eager_backend_calls_aten_ops_past_their_python_wrapper():
     text, out = source(GraphModule(torch.nn.Module(), graph))
     assert "torch.ops.aten.mul.Tensor(" in text, text
     assert "aten_add_Tensor(" in text and torch.equal(out[0], x * y + x)
+
+
+def _attention_masks(model, batch):
+    """Run ``model`` compiled with the causal-mask pass; returns (attentions changed, each attention's mask and
+    is_causal after the pass, the compiled model's logits)."""
+    from deepspeed.compile.graph.masks import causal_masks_pass
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["changed"] = causal_masks_pass(gm)
+        seen["calls"] = [(n.kwargs.get("attn_mask"), n.kwargs.get("is_causal")) for n in gm.graph.nodes
+                         if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+        return gm.forward
+
+    torch._dynamo.reset()
+    logits = torch.compile(model, backend=backend)(**batch).logits
+    torch._dynamo.reset()
+    return seen["changed"], seen["calls"], logits
+
+
+@pytest.mark.parametrize("case", ["causal", "padded", "sliding_window"])
+def test_a_constant_causal_mask_becomes_is_causal_and_no_other_mask_does(case):
+    """A `transformers` model run without a cache (as in training) builds its causal mask in the graph when traced;
+    the pass gives those attentions is_causal=True, as the eager model has. A mask read from an input (padding) or
+    a constant one that is not causal (a sliding window shorter than the sequence) stays, and every output equals the
+    eager model's."""
+    from models import tiny_llama
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 16))
+    batch = {"input_ids": ids}
+    if case == "sliding_window":
+        model = MistralForCausalLM(MistralConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa", use_cache=False))
+    else:
+        model = tiny_llama()
+    if case == "padded":
+        batch["attention_mask"] = torch.ones_like(ids)
+        batch["attention_mask"][1, :3] = 0
+    changed, calls, logits = _attention_masks(model, batch)
+    assert len(calls) == 2
+    if case == "causal":
+        assert changed == 2 and all(mask is None and causal for mask, causal in calls), calls
+    else:
+        assert changed == 0 and all(mask is not None for mask, _ in calls), calls
+    with torch.no_grad():
+        expected = model(**batch).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_only_the_exact_lower_triangle_counts_as_causal():
+    from deepspeed.compile.graph.masks import _is_causal
+    keep = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert _is_causal(keep[None, None].expand(2, 1, 5, 5), 5)
+    assert _is_causal(torch.zeros(5, 5).masked_fill(~keep, float("-inf")), 5)
+    assert _is_causal(torch.zeros(5, 5).masked_fill(~keep, torch.finfo(torch.float32).min), 5)
+    assert not _is_causal(torch.zeros(5, 5).masked_fill(~keep, -1.0), 5)  # a bias, not a mask
+    assert not _is_causal(keep, 4)
+    assert not _is_causal(keep.triu(), 5)
+    off = keep.clone()
+    off[4, 0] = False
+    assert not _is_causal(off, 5)
+    assert not _is_causal(keep.to(torch.int64), 5)
