@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from torch import Tensor, nn
 
-ALL, Z12, Z3 = (1, 2, 3), (1, 2), (3, )
+ALL, Z12, Z3 = (0, 1, 2, 3), (1, 2), (3, )
 
 
 class ModuleForward:

@@ -39,6 +39,12 @@ TARGETS: List[Tuple[str, Optional[str], Dict[str, Optional[Tuple[str, ...]]], Tu
         "is_deepcompile_active": None, "is_deepcompile_enabled": None, "_set_deepcompile_active": ("active", ),
         "_cast_inputs_half": ("inputs", ), "zero_prefetch_bucket_size": None, "zero_max_reuse_distance": None,
         "zero_max_live_parameters": None, "zero_reduce_bucket_size": None, "zero_offload_param": None}, ALL),
+    # ZeRO-0 with sequence parallelism: the config reader whose stage decides where "autosp" goes (config.py), and
+    # the engine's compile request, read from its frame by the AutoSP entry point (init_sp.py)
+    ("deepspeed.runtime.config", "DeepSpeedConfig", {"_initialize_params": ("param_dict", )}, (0, )),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", {
+        "get_deepspeed_compile_backend": ("backend", "compile_kwargs", "schedule"),
+        "get_autosp_backend": ("compile_kwargs", )}, (0, )),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", {
         "process_gradients": ("param", "i"),
         "reenter_backward_if_needed": None, "update_hook_state_and_maybe_run_epilogue": None,

@@ -6,6 +6,7 @@ DeepSpeed's engine reads several stock fields directly (``deepcompile``, ``autoe
 implement are reported by :func:`unimplemented_options` and handled at ``engine.compile()``. Unknown keys are
 rejected by ``DeepSpeedConfigModel`` (pydantic, ``extra="forbid"``) at ``deepspeed.initialize``.
 """
+import sys
 from typing import List, Literal, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
@@ -120,11 +121,17 @@ class CompileConfig(DeepSpeedConfigModel):
         """``"autosp"`` in ``passes`` asks for sequence parallelism (``graph/sequence.py``), ``"autotp"`` for AutoTP's
         collectives in the graphs (``graph/tensor.py``); both run inside this module's ZeRO pipelines. DeepSpeed's
         engine sends a config that lists either to a backend of its own instead, which refuses AutoSP at ZeRO-2 and 3
-        and AutoTP with any ZeRO pass; taken out of the list here, every stage reaches this module."""
+        and AutoTP with any ZeRO pass; taken out of the list here, ZeRO stages 1-3 reach this module's pipelines.
+        At ZeRO-0 "autosp" stays, and the engine's AutoSP entry point reaches this module (``init_sp``)."""
         if self.passes and ("autosp" in self.passes or "autotp" in self.passes):
-            self._sequence_parallel = "autosp" in self.passes
-            self._tensor_parallel = "autotp" in self.passes
-            self.passes = [name for name in self.passes if name not in ("autosp", "autotp")]
+            # (the assignment below validates the section again, with the names it keeps)
+            self._sequence_parallel = self._sequence_parallel or "autosp" in self.passes
+            self._tensor_parallel = self._tensor_parallel or "autotp" in self.passes
+            # at ZeRO-0 the engine compiles without its ZeRO passes, and reaches this module for sequence
+            # parallelism only through its AutoSP entry point (``init_sp``): "autosp" stays listed there
+            taken = ("autotp", ) if _zero_stage_being_read() == 0 else ("autosp", "autotp")
+            if any(name in taken for name in self.passes):
+                self.passes = [name for name in self.passes if name not in taken]
         return self
 
     @property
@@ -152,3 +159,18 @@ def unimplemented_options(config: CompileConfig, param_offload: str = "none") ->
                 if getattr(config, name) and not (name == "offload_parameters" and param_offload == "cpu")]
     ignored = [name for name in _IGNORED_OPTIONS if getattr(config, name)]
     return fallback, ignored
+
+
+def _zero_stage_being_read() -> Optional[int]:
+    """The ZeRO stage of the ds_config DeepSpeed is reading while it builds this section (``DeepSpeedConfig`` reads
+    ``zero_optimization`` first, ``compat.TARGETS``), or None where the section is built on its own."""
+    frame = sys._getframe(1)
+    for _ in range(16):  # pydantic's validation frames between DeepSpeedConfig and the validator
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "_initialize_params" and type(owner).__name__ == "DeepSpeedConfig":
+            stage = getattr(owner, "zero_optimization_stage", None)
+            return None if stage is None else int(stage)
+        frame = frame.f_back
+    return None

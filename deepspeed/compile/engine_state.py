@@ -4,7 +4,8 @@ runs a forward in it, and ends it.
 
 Stock DeepSpeed reaches this module only through thin entry points, files that exist because its ``engine.py``
 imports them by name (``docs/design.md`` lists them): ``init_z3`` -> :func:`activate_z3`; ``init_z1_and_2`` ->
-:func:`activate_z12`; ``init_sp``, ``init_tp`` -> :func:`fall_back`; ``z3_eager_fallback`` ->
+:func:`activate_z12`; ``init_sp`` -> :func:`activate_z0` (ZeRO-0 with sequence parallelism); ``init_tp`` ->
+:func:`fall_back`; ``z3_eager_fallback`` ->
 :func:`forward_context`; ``backend`` -> :class:`PassTimes`. ``report.py`` reads the state for users. Importing this
 module must stay cheap (stock DeepSpeed imports it at ``import deepspeed``): the runtime and compiler are imported
 when an engine activates. The forward context also adopts Accelerate's regional compilation
@@ -25,6 +26,7 @@ from .config import CompileConfig, unimplemented_options
 
 if TYPE_CHECKING:
     from .driver.compiler import CompileStats
+    from .runtime.z0 import Z0Runtime
     from .runtime.z12 import Z12Runtime
     from .runtime.z3 import Z3Runtime
 
@@ -36,7 +38,7 @@ _LIVE: "weakref.WeakSet[DeepCompileState]" = weakref.WeakSet()
 
 @dataclass(eq=False)
 class DeepCompileState:
-    runtime: "Union[Z3Runtime, Z12Runtime]"  # communication and buffers
+    runtime: "Union[Z3Runtime, Z12Runtime, Z0Runtime]"  # communication and buffers
     stats: "CompileStats"  # what compiling the engine's graphs found
     stage: int = 3  # the ZeRO stage the runtime serves
     # raises StepAbandoned saying which ranks stopped and why, the engine returned to eager ZeRO (set at activation)
@@ -380,6 +382,27 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
     return _activate(engine, runtime, stage, backend, compile_config, inductor_config, compile_kwargs)
 
 
+def activate_z0(engine, backend: str, compile_config: CompileConfig, schedule=None,
+                compile_kwargs: Optional[Dict[str, Any]] = None) -> Optional[Callable]:
+    """Give a ZeRO-0 engine with ``"passes": ["autosp"]`` its DeepCompile state (``runtime/z0.py``: nothing sharded,
+    the engine all-reduces the gradients) and return the dynamo backend that splits each sequence in its graphs."""
+    compat.check(0)  # a torch or DeepSpeed the package was not written for: refused before any change
+    if not _check_options(compile_config, backend, schedule):
+        return None
+    import torch.distributed as dist
+    group = getattr(engine, "seq_data_parallel_group", None)  # the group the engine averages gradients over
+    if group is None or dist.get_world_size(group) != dist.get_world_size():
+        # the gradients of a sharded sequence are exact where the engine averages them over every rank
+        fall_back("'autosp' with a data-parallel group smaller than the world (a mesh or an mpu)",
+                  "at ZeRO-0 deepspeed-compile splits sequences where the engine averages gradients over every rank")
+        return None
+    inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
+    _check_regions(engine, compile_config)
+    from .runtime.z0 import Z0Runtime
+    runtime = Z0Runtime(engine, timeout_s=compile_config.collective_timeout_s)
+    return _activate(engine, runtime, 0, backend, compile_config, inductor_config, compile_kwargs)
+
+
 def _tensor_parallel_layers(engine) -> list:
     """``"passes": ["autotp"]``: the AutoTP layers whose collectives the graphs take over (``graph/tensor.py``), or a
     ValueError naming one they cannot, before anything changes; none (and a warning) where AutoTP shards nothing."""
@@ -443,16 +466,16 @@ _SEQUENCE_WARNED = "_deepspeed_compile_sequence_warned"
 
 
 def _warn_sequence_not_split(engine) -> None:
-    """``"autosp"`` asked for, and the engine compiled without DeepCompile (ZeRO stage 0, ``deepcompile`` false, a
-    fallback): say once that every rank computes the whole sequence."""
+    """``"autosp"`` asked for, and the engine compiled without DeepCompile (``deepcompile`` false, a fallback): say
+    once that every rank computes the whole sequence."""
     if not engine.is_compiled or getattr(engine, _SEQUENCE_WARNED, False):
         return
     if getattr(engine._config.compile_config, "sequence_parallel", False):
         setattr(engine, _SEQUENCE_WARNED, True)
         logger.warning("deepspeed-compile: compile.passes lists 'autosp', but this engine runs without DeepCompile "
                        f"(ZeRO stage {engine.zero_optimization_stage()}, compile.deepcompile "
-                       f"{engine.is_deepcompile_enabled()}): sequence parallelism runs with DeepCompile at ZeRO stages "
-                       "1-3, so here every rank computes the whole sequence")
+                       f"{engine.is_deepcompile_enabled()}): sequence parallelism runs with DeepCompile, so here "
+                       "every rank computes the whole sequence")
 
 
 class PassTimes(Mapping):

@@ -1,10 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Entry point (stock ``engine.py`` imports it by name). AutoSP runs inside this module's ZeRO pipelines
-(``graph/sequence.py``): ``CompileConfig`` takes ``"autosp"`` out of ``passes``, so the engine never calls this; a
-direct call falls back to plain ``torch.compile``."""
-from .engine_state import fall_back
+"""Entry point (stock ``engine.py`` imports it by name). Sequence parallelism runs inside this module's pipelines
+(``graph/sequence.py``). At ZeRO stages 1-3 ``CompileConfig`` takes ``"autosp"`` out of ``passes``, so the engine
+reaches them through its ZeRO entry points; at ZeRO-0 it keeps it, and the engine's ``get_autosp_backend`` calls
+:func:`init_autosp`, which gives the engine the ZeRO-0 pipeline (``engine_state.activate_z0``)."""
+import sys
+
+from .engine_state import activate_z0, fall_back
 
 
 def init_autosp(config):
-    return fall_back("compile pass 'autosp'", "deepspeed-compile runs sequence parallelism inside DeepCompile's ZeRO "
-                     "pipelines (compile.deepcompile true, ZeRO stage 1, 2 or 3)")
+    """The dynamo backend for the engine whose ds_config is ``config``. DeepSpeed passes the config only: the engine,
+    the backend's name and the compile arguments are its ``get_deepspeed_compile_backend``'s (``compat.TARGETS``)."""
+    request = _compile_request(config)
+    if request is None:
+        return fall_back("compile pass 'autosp'", "deepspeed-compile found no engine compiling with this config; "
+                         "sequence parallelism runs where DeepSpeed's engine.compile() asks for it")
+    engine, backend, compile_kwargs, schedule = request
+    # DeepSpeed's AutoSP backend wants one graph and writes fullgraph into the dict of compile arguments (the default
+    # argument of engine.compile() when none were given, shared by every later call): taken back out here
+    compile_kwargs.pop("fullgraph", None)
+    return activate_z0(engine, backend, config.compile_config, schedule, compile_kwargs)
+
+
+def _compile_request(config):
+    """(engine, backend, compile_kwargs, schedule) of the ``engine.compile()`` that asks for ``config``'s backend."""
+    frame = sys._getframe(1)
+    for _ in range(4):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "get_deepspeed_compile_backend":
+            names = frame.f_locals
+            engine = names.get("self")
+            if getattr(engine, "_config", None) is config:
+                return engine, names.get("backend"), names.get("compile_kwargs"), names.get("schedule")
+        frame = frame.f_back
+    return None

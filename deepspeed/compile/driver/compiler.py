@@ -97,6 +97,7 @@ class GraphCompiler:
         self.kept = 0  # bytes of parameters this graph keeps gathered for backward
         self.compiled = False  # set by the forward compiler: False after AOTAutograd means torch loaded the graph
         self.record: Optional[str] = None  # name of this graph's compile record (driver/cache.py), when caching
+        self.split = False  # the graph splits its sequence over the sequence group (its runs pair across ranks)
 
     # --- partition ---------------------------------------------------------------------------------------
     def partition(self, joint: GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
@@ -171,7 +172,7 @@ class GraphCompiler:
             if self.on_failure is not None:
                 # the peers' backward, where it gathers or reduces, agrees before its first collective
                 gathered = [ds_id for ds_id in self.param_ds_ids if ds_id is not None]
-                self.on_failure(err, pairs_across_ranks(gathered, self.grad_ds_ids, True))
+                self.on_failure(err, pairs_across_ranks(gathered, self.grad_ds_ids, True, self.split))
             raise RuntimeError(f"deepspeed-compile: compiling a backward graph failed ({type(err).__name__}: {err}). "
                                "This step's backward cannot run: skip it (do not call engine.step()); the engine "
                                "runs uncompiled eager ZeRO-3 from the next forward on") from err
@@ -311,6 +312,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             return gm.forward
         gathered: Dict[int, int] = {}
         grad_ds_ids: List[Optional[int]] = []
+        cut_inputs: List[Tuple[int, int]] = []
         try:
             param_ds_ids = runtime.param_ds_ids(example_inputs)
             grad_ds_ids = runtime.grad_ds_ids(example_inputs)
@@ -324,6 +326,7 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             gm.recompile()
             compiler = GraphCompiler(runtime, stats, config, backend, param_ds_ids, on_failure, grad_ds_ids,
                                      inductor_config)
+            compiler.split = bool(cut_inputs)
             # inductor's joint-graph passes, the forward, and the cache's key see them too
             with torch._inductor.config.patch(inductor_config):
                 compiled = _aot_compile(compiler, gm, example_inputs)
@@ -332,14 +335,15 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             # dynamic shapes, a float scalar to be traced as a tensor); the next attempt compiles it
             raise
         except BaseException as err:
-            on_failure(err, pairs_across_ranks(gathered, grad_ds_ids, torch.is_grad_enabled()))
+            on_failure(err, pairs_across_ranks(gathered, grad_ds_ids, torch.is_grad_enabled(), bool(cut_inputs)))
             raise
         compiled = graphs_of(runtime).wrap(compiled, runtime, gm, gathered, grad_ds_ids, uncompiled)
-        pairs = pairs_across_ranks(gathered, grad_ds_ids, torch.is_grad_enabled())
-        if pairs and runtime.peers.agrees_now():
+        if cut_inputs:  # a batch the sequence group cannot split is refused before the graph starts anything
+            compiled = runtime.sequence.guard(compiled, cut_inputs)
+        pairs = pairs_across_ranks(gathered, grad_ds_ids, torch.is_grad_enabled(), bool(cut_inputs))
+        if pairs and runtime.peers.agrees_now():  # (the guard's first check of the batch agrees first)
             compiled = start_agreed(compiled, runtime)
-        # a batch the sequence group cannot split is refused before the graph starts anything
-        return runtime.sequence.guard(compiled, cut_inputs) if cut_inputs else compiled
+        return compiled
 
     return compile_graph
 
@@ -359,11 +363,14 @@ def shard_sequence_of(runtime, gm: GraphModule, stats: CompileStats) -> List[Tup
     return cut_inputs
 
 
-def pairs_across_ranks(gathered, grad_ds_ids: Sequence[Optional[int]], grad_enabled: bool) -> bool:
+def pairs_across_ranks(gathered, grad_ds_ids: Sequence[Optional[int]], grad_enabled: bool,
+                       split: bool = False) -> bool:
     """Whether a graph's runs issue collectives that every rank's run pairs with: it gathers (ZeRO-3), or its backward
-    hands gradients to ZeRO (``grad_ds_ids``, with grad enabled). Others (a ZeRO-1/2 graph under ``no_grad``, as in an
-    evaluation on one rank) may run on some ranks only, and agree on nothing."""
-    return bool(gathered) or grad_enabled and any(key is not None for key in grad_ds_ids)
+    hands gradients to ZeRO (``grad_ds_ids``, with grad enabled), or, with grad enabled, it splits its sequence over
+    the sequence group (``split``: training, where every rank's step ends in the gradients' reduction over the world,
+    ZeRO-0's too). Others (a ZeRO-1/2 graph under ``no_grad``, as in an evaluation on one rank or one sequence group)
+    may run on some ranks only, and agree on nothing."""
+    return bool(gathered) or grad_enabled and (split or any(key is not None for key in grad_ds_ids))
 
 
 def start_agreed(compiled: Callable, runtime) -> Callable:

@@ -93,7 +93,7 @@ class ReplicatedGraphs(StageGraphs):
         return count_grad_sources(compiled, runtime, [i for i, ds_id in enumerate(grad_ds_ids) if ds_id is not None])
 
 
-_BY_STAGE = {1: ReplicatedGraphs(), 2: ReplicatedGraphs(), 3: ShardedGraphs()}
+_BY_STAGE = {0: StageGraphs(), 1: ReplicatedGraphs(), 2: ReplicatedGraphs(), 3: ShardedGraphs()}
 
 
 def graphs_of(runtime) -> StageGraphs:

@@ -30,8 +30,14 @@ class RankGroup:
     def _wait(self, work, what: Callable[[], str]) -> None:
         self.comm.wait(work, lambda: f"{what()} of {self.label}")
 
+    def _agree(self) -> None:
+        """Before a collective: where a graph started since the ranks last agreed, they agree first
+        (``runtime/agreement.py``), so that a rank that could not run its graph stops its peers here."""
+        self.comm.before_start()
+
     def all_reduce(self, x: Tensor) -> Tensor:
         total = x.detach().clone(memory_format=torch.contiguous_format)
+        self._agree()
         self._wait(dist.all_reduce(total, group=self.group, async_op=True),
                    lambda: f"an all-reduce of {tuple(x.shape)}")
         return total
@@ -52,6 +58,7 @@ class SequenceGroup(RankGroup):
     def all_to_all(self, x: Tensor, scatter_dim: int, gather_dim: int) -> Tensor:
         sent = torch.stack(x.chunk(self.size, dim=scatter_dim)).contiguous()
         received = torch.empty_like(sent)
+        self._agree()
         self._wait(dist.all_to_all_single(received, sent, group=self.group, async_op=True),
                    lambda: f"an all-to-all of {tuple(x.shape)}")
         return torch.cat(received.unbind(0), dim=gather_dim)
@@ -59,6 +66,7 @@ class SequenceGroup(RankGroup):
     def all_gather(self, x: Tensor, dim: int) -> Tensor:
         x = x.contiguous()
         blocks: List[Tensor] = [torch.empty_like(x) for _ in range(self.size)]
+        self._agree()
         self._wait(dist.all_gather(blocks, x, group=self.group, async_op=True),
                    lambda: f"an all-gather of {tuple(x.shape)}")
         return torch.cat(blocks, dim=dim)
@@ -98,6 +106,7 @@ class SequenceGroup(RankGroup):
         mine = torch.stack([torch.tensor([t.numel(), int(t.long().sum()), int((t.long() * 31 + 7).pow(2).sum())])
                             for t in ints]).flatten().double()
         low, high = mine.clone(), mine.clone()
+        self._agree()
         self._wait(dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group, async_op=True),
                    lambda: "the check that its ranks are fed the same batch")
         self._wait(dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group, async_op=True),

@@ -303,8 +303,8 @@ def test_zero1_and_zero2_run_deepcompile_and_unimplemented_options_fall_back():
 
 def test_autosp_and_autotp_adapters_warn_once_and_fall_back(caplog):
     """Stock's engine asks ``init_tp.init_autotp`` for a backend when the config names the pass (only with
-    tensor_parallel.autotp_size > 1, which this 2-rank harness does not build), and would ask ``init_sp.init_autosp``
-    if ``"autosp"`` stayed in ``passes`` (``CompileConfig`` takes it out): each logs one warning naming its pass and
+    tensor_parallel.autotp_size > 1, which this 2-rank harness does not build), and ``init_sp.init_autosp`` at ZeRO-0
+    (``test_sequence.py``); called other than from an ``engine.compile()``, each logs one warning naming its pass and
     returns None, on which the engine compiles with plain torch.compile."""
     import logging
     import torch

@@ -44,12 +44,12 @@ def _model(name: str):
                                       attn_pdrop=0.0, use_cache=False))
 
 
-def _engine(name: str, stage: int, sp: int, backend=None, dtype: str = "fp32"):
+def _engine(name: str, stage: int, sp: int, backend=None, dtype: str = "fp32", **section):
     import deepspeed
     from models import ds_config
     model = _model(name)
     config = ds_config(stage=stage, batch=2, optimizer="sgd", dtype=dtype,
-                       compile_section={"deepcompile": True, "passes": ["autosp"]} if backend else None)
+                       compile_section={"deepcompile": True, "passes": ["autosp"], **section} if backend else None)
     if backend:
         config["sequence_parallel_size"] = sp
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
@@ -114,21 +114,51 @@ def _errors():
     return out
 
 
+def _compile_fails_on_rank_1():
+    """ZeRO-0 with the sequence split: rank 1's forward compile fails (an injected error), rank 0's succeeds and
+    its graph starts with an all-to-all on the sequence group. Both must stop in that step, then train unsplit."""
+    import time
+    from deepspeed.compile.driver import compiler
+    rank = torch.distributed.get_rank()
+    torch._dynamo.reset()
+    original = compiler.GraphCompiler._compile_forward
+    if rank == 1:
+        def broken(self, gm, example_inputs):
+            raise RuntimeError("an injected forward compile failure")
+        compiler.GraphCompiler._compile_forward = broken
+    try:
+        engine = _engine("llama", 0, 2, "eager", collective_timeout_s=60)  # a broken agreement fails, not hangs
+        start = time.monotonic()
+        try:
+            engine(**_batch(0, 0, 16))
+            raised = None
+        except Exception as err:
+            raised = f"{type(err).__name__}: {err}"
+        seconds = time.monotonic() - start
+    finally:
+        compiler.GraphCompiler._compile_forward = original
+    out = {"raised": raised, "seconds": seconds, "active": engine.is_deepcompile_active()}
+    out["losses"] = _train(engine, 2, 2)["losses"]  # fed the group's batch: the same on both ranks
+    engine.destroy()
+    return out
+
+
 def _two_ranks(steps):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     out = {("llama", 3): _against_eager("llama", 3, 2, steps), ("llama", 1): _against_eager("llama", 1, 2, steps),
-           ("gpt2", 3): _against_eager("gpt2", 3, 2, steps),
+           ("gpt2", 3): _against_eager("gpt2", 3, 2, steps), ("llama", 0): _against_eager("llama", 0, 2, steps),
            ("llama", 3, "inductor"): _against_eager("llama", 3, 2, steps, "inductor")}
     out["bf16"] = _bf16(out[("llama", 3)]["eager"]["grads"])
     out["errors"] = _errors()
+    out["compile failure"] = _compile_fails_on_rank_1()
     return out
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
     """One launch of 2 ranks (one sequence group) for the tests below: engines are built one after the other."""
-    return run_distributed(_two_ranks, len(LENGTHS), timeout_s=500)
+    return run_distributed(_two_ranks, len(LENGTHS), timeout_s=570)
 
 
 def _check(r):
@@ -142,8 +172,8 @@ def _check(r):
     assert max(params.values()) <= FP32_REORDER_TOL, ("params", sorted(params.items(), key=lambda kv: -kv[1])[:3])
 
 
-@pytest.mark.parametrize("case", [("llama", 3), ("llama", 1), ("gpt2", 3), ("llama", 3, "inductor")],
-                         ids=["llama-zero3", "llama-zero1", "gpt2-zero3", "llama-zero3-inductor"])
+@pytest.mark.parametrize("case", [("llama", 3), ("llama", 1), ("llama", 0), ("gpt2", 3), ("llama", 3, "inductor")],
+                         ids=["llama-zero3", "llama-zero1", "llama-zero0", "gpt2-zero3", "llama-zero3-inductor"])
 def test_sequence_parallel_trains_as_the_unsharded_model(two_ranks, case):
     """2 ranks, one sequence group, against eager ZeRO of the same stage (the eager backend, and inductor, whose fp32
     reordering the same tolerance covers: ``compare.FP32_REORDER_TOL``)."""
@@ -172,18 +202,33 @@ def test_sequence_parallel_refuses_what_it_cannot_split(two_ranks):
         assert "sequence_parallel_size=2" in r["odd length"] and "15" in r["odd length"], r
 
 
+def test_one_ranks_compile_failure_stops_both_ranks_of_the_sequence_group(two_ranks):
+    """The sequence group's first all-to-all waits for the ranks' agreement that each runs its graph, so the rank
+    whose compile failed stops its peer there, naming itself, within seconds (not the process group's 30 minutes);
+    both then run the same unsplit steps."""
+    peer, own = (r["compile failure"] for r in two_ranks)  # rank 1 failed
+    assert peer["raised"] and "StepAbandoned" in peer["raised"] and "rank 1 failed" in peer["raised"], peer
+    assert "injected forward compile failure" in peer["raised"], peer
+    assert own["raised"] and "injected forward compile failure" in own["raised"], own
+    assert not own["active"] and not peer["active"] and max(own["seconds"], peer["seconds"]) < 60, (own, peer)
+    assert own["losses"] == peer["losses"], (own["losses"], peer["losses"])
+
+
 def _four_ranks(steps):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
-    return {sp: _against_eager("llama", 3, sp, steps) for sp in (2, 4)}
+    return {(stage, sp): _against_eager("llama", stage, sp, steps) for stage, sp in FOUR_RANK_CASES}
+
+
+FOUR_RANK_CASES = ((3, 2), (3, 4), (0, 4))  # (ZeRO stage, sequence_parallel_size)
 
 
 def test_sequence_parallel_at_4_ranks():
     """Two groups of 2 (sequence x data) and one group of 4 (more ranks than key/value heads: each rank's query
-    heads get the key/value heads they read), at ZeRO-3."""
-    for result in run_distributed(_four_ranks, 2, world_size=4, timeout_s=500):
-        for sp in (2, 4):
-            _check(result[sp])
+    heads get the key/value heads they read), at ZeRO-3; one group of 4 at ZeRO-0."""
+    for result in run_distributed(_four_ranks, 2, world_size=4, timeout_s=570):
+        for case in FOUR_RANK_CASES:
+            _check(result[case])
 
 
 def test_the_rewrite_splits_every_layer():
@@ -214,3 +259,18 @@ def test_the_rewrite_splits_every_layer():
     gather_at = calls.index(ops.SEQ_ALL_GATHER)
     assert gather_at > max(i for i, t in enumerate(calls) if t is ops.SEQ_ALL_TO_ALL)
     assert operator.floordiv in calls
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_autosp_stays_listed_only_where_the_engine_reaches_this_module_through_it(stage):
+    """DeepSpeed's engine hands a config listing "autosp" to its AutoSP entry point (``init_sp``), which it calls at
+    ZeRO-0 and 1 but refuses at 2 and 3: the config keeps the name at ZeRO-0 only, where this module's ZeRO
+    pipelines are not asked; either way it asks for sequence parallelism."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from models import ds_config
+    config = ds_config(stage=stage, batch=2, optimizer="sgd", compile_section={"deepcompile": True,
+                                                                               "passes": ["autosp", "autotp"]})
+    config["sequence_parallel_size"] = 2
+    compile_config = DeepSpeedConfig(config).compile_config
+    assert compile_config.sequence_parallel and compile_config.tensor_parallel
+    assert compile_config.passes == (["autosp"] if stage == 0 else []), compile_config.passes
