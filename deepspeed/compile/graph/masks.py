@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 _ATTENTION = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 # ops whose values are not a function of their arguments: a mask computed with one is not a constant
 _UNSEEDED = ("rand", "bernoulli", "normal", "uniform", "multinomial", "dropout", "empty", "exponential")
-# the largest mask computed at compile time: a few thousand tokens a side is a few MiB of booleans
-_MAX_MASK_NUMEL = 1 << 26
+# the largest mask computed at compile time (elements, batch rows included): 8 rows of 4096 x 4096 tokens, 128 MiB of
+# booleans for each intermediate of its computation, once per graph
+_MAX_MASK_NUMEL = 1 << 27
 
 
 def _mask_of(node: Node) -> Optional[Node]:
@@ -32,8 +33,8 @@ def _mask_of(node: Node) -> Optional[Node]:
 
 
 def _constant_subgraph(mask: Node) -> Optional[List[Node]]:
-    """The nodes ``mask`` is computed from, in graph order, where none is an input, a module call or an op with
-    random or uninitialized values; else None."""
+    """The nodes ``mask`` is computed from, in graph order, where none is an input, a parameter (trained: its
+    values change), a module call or an op with random or uninitialized values; else None."""
     seen: Dict[Node, None] = {}
     todo = [mask]
     while todo:
@@ -42,6 +43,8 @@ def _constant_subgraph(mask: Node) -> Optional[List[Node]]:
             continue
         if node.op not in ("call_function", "call_method", "get_attr"):
             return None
+        if node.op == "get_attr" and isinstance(_attribute(node), torch.nn.Parameter):
+            return None
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
         if any(word in name for word in _UNSEEDED):
             return None
@@ -49,6 +52,13 @@ def _constant_subgraph(mask: Node) -> Optional[List[Node]]:
         todo.extend(node.all_input_nodes)
     order = {node: i for i, node in enumerate(mask.graph.nodes)}
     return sorted(seen, key=order.__getitem__)
+
+
+def _attribute(node: Node):
+    owner = node.graph.owning_module
+    for name in node.target.split("."):
+        owner = getattr(owner, name, None)
+    return owner
 
 
 def _evaluate(gm: GraphModule, nodes: List[Node]) -> Optional[torch.Tensor]:
