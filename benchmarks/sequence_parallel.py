@@ -11,7 +11,12 @@ layers of hidden size ``--hidden``), trained on ``--length`` tokens a sequence, 
 same sequence: size 1 is the model unsplit (each rank computes the whole sequence), size N splits each sequence over
 N ranks (``"passes": ["autosp"]``, ``sequence_parallel_size`` N). ``--kind tp``: the rows are ZeRO-1 instead, and
 size N shards the linear layers over N ranks with AutoTP (``tensor_parallel.autotp_size`` N, ``"passes":
-["autotp"]``). Reported per row: the median step, the peak resident memory of a rank (the largest over the ranks,
+["autotp"]``). An ``eagerN`` row is DeepSpeed's own, not compiled: ``eager1`` the model unsplit, ``eagerN``
+(N > 1, ``--kind sp``) its Ulysses for HF models (``UlyssesSPAttentionHF.register_with_transformers``,
+``sequence_parallel_size`` N), each rank fed its slice of the sequence with the slice's position ids and its labels
+shifted before the slicing, the loss each slice's share of the sequence's mean summed over the SP group
+differentiably, as DeepSpeed's Ulysses tutorial combines them (``--kind tp``: AutoTP's layers with their own
+collectives). Reported per row: the median step, the peak resident memory of a rank (the largest over the ranks,
 whole process), and the peak of live tensor bytes above the step's start in one traced step
 (``benchmarks/memory.py``): what a step adds, the activations first of all. The rows' losses are printed too: the
 same model's on the same data (with ``--optimizer sgd`` they agree to round-off; AdamW's first updates are about
@@ -37,6 +42,7 @@ def _row(args: argparse.Namespace) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
     from transformers import LlamaConfig, LlamaForCausalLM
     from benchmarks.memory import mark, step_peak, trace_memory
     deepspeed.init_distributed(dist_backend="gloo")
@@ -48,6 +54,13 @@ def _row(args: argparse.Namespace) -> None:
         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
         max_position_embeddings=args.length, attn_implementation="sdpa", use_cache=False))
     tensor = args.kind == "tp"
+    ulysses = args.eager and args.size > 1 and not tensor  # DeepSpeed's own sequence parallelism, not compiled
+    mpu = None
+    if ulysses:  # Ulysses wraps SDPA in transformers' attention functions; its mpu holds the SP groups
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=args.size,
+            micro_batch_size=1, seq_length=args.length, seq_length_is_variable=False)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}} if args.optimizer == "adamw"
               else {"type": "SGD", "params": {"lr": 0.1}},
@@ -65,15 +78,27 @@ def _row(args: argparse.Namespace) -> None:
         config["tensor_parallel"] = {"autotp_size": args.size}
     elif args.size > 1:
         config["sequence_parallel_size"] = args.size
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config,
+                                      mpu=mpu)
     if not args.eager:
         engine.compile(backend=args.backend)
 
     def step(i: int) -> float:
         g = torch.Generator().manual_seed(1000 * i)  # every rank the same sequence: the rows train alike
         ids = torch.randint(0, args.vocab, (1, args.length), generator=g)
+        if ulysses:  # this rank's slice, the labels shifted first: a slice's last token predicts the next slice's first
+            chunk = args.length // args.size
+            part = slice(chunk * mpu.get_sequence_parallel_rank(), chunk * (mpu.get_sequence_parallel_rank() + 1))
+            labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+            positions = torch.arange(args.length).unsqueeze(0)
         with mark("step"):
-            loss = engine(input_ids=ids, labels=ids).loss
+            if ulysses:  # the slice's share of the sequence's mean loss, summed over the SP group (differentiable)
+                logits = engine(input_ids=ids[:, part], position_ids=positions[:, part]).logits
+                share = engine.module.loss_function(logits=logits, labels=None, shift_labels=labels[:, part],
+                                                    vocab_size=args.vocab, num_items_in_batch=args.length - 1)
+                loss = funcol.all_reduce(share, "sum", mpu.get_sequence_parallel_group())
+            else:
+                loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
         return loss.item()
@@ -107,6 +132,7 @@ def _row(args: argparse.Namespace) -> None:
                        "peak_rss_bytes": peak_rss.item(), "peak_above_start_bytes": peak_above.item(),
                        "sequence_collectives": report.get("sequence_collectives")}, f)
     engine.destroy()
+    dist.destroy_process_group()
 
 
 def _launch(args: argparse.Namespace, row: str) -> dict:
@@ -135,7 +161,8 @@ def main() -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--sizes", default="1,2", help="comma-separated size per row (1: unsplit); eagerN: DeepSpeed's own "
-                   "at size N, not compiled (--kind tp: AutoTP's layers with their own collectives)")
+                   "at size N, not compiled (eagerN, N > 1: Ulysses; --kind tp: AutoTP's layers with their own "
+                   "collectives)")
     p.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--section", default="{}", help="JSON object merged into the compiled rows' \"compile\" section")
     p.add_argument("--length", type=int, default=2048)
@@ -163,8 +190,6 @@ def main() -> None:
         _row(args)
         return
     sizes = args.sizes.split(",")
-    if args.kind == "sp" and any(size.startswith("eager") and size != "eager1" for size in sizes):
-        raise SystemExit("--sizes: DeepSpeed's own sequence parallelism (Ulysses) is not a row here")
     results = {size: [] for size in sizes}
     for r in range(args.rounds):
         for size in (sizes if r % 2 == 0 else sizes[::-1]):
