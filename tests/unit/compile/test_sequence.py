@@ -138,7 +138,7 @@ def _compile_fails_on_rank_1():
     finally:
         compiler.GraphCompiler._compile_forward = original
     out = {"raised": raised, "seconds": seconds, "active": engine.is_deepcompile_active()}
-    out["losses"] = _train(engine, 2, 2)["losses"]  # fed the group's batch: the same on both ranks
+    out["losses"] = _train(engine, 2, 1)["losses"]  # fed the group's batch: the same on both ranks
     engine.destroy()
     return out
 
@@ -220,12 +220,12 @@ def _four_ranks(steps):
     return {(stage, sp): _against_eager("llama", stage, sp, steps) for stage, sp in FOUR_RANK_CASES}
 
 
-FOUR_RANK_CASES = ((3, 2), (3, 4), (0, 4))  # (ZeRO stage, sequence_parallel_size)
+FOUR_RANK_CASES = ((3, 2), (0, 4))  # (ZeRO stage, sequence_parallel_size)
 
 
 def test_sequence_parallel_at_4_ranks():
-    """Two groups of 2 (sequence x data) and one group of 4 (more ranks than key/value heads: each rank's query
-    heads get the key/value heads they read), at ZeRO-3; one group of 4 at ZeRO-0."""
+    """Two groups of 2 (sequence x data) at ZeRO-3, where ZeRO shards over all 4 ranks; one group of 4 at ZeRO-0
+    (more ranks than key/value heads: each rank's query heads get the key/value heads they read)."""
     for result in run_distributed(_four_ranks, 2, world_size=4, timeout_s=570):
         for case in FOUR_RANK_CASES:
             _check(result[case])
