@@ -16,6 +16,7 @@ import importlib
 import inspect
 import logging
 import os
+import sys
 from typing import Dict, List, Optional, Tuple
 
 from packaging.specifiers import SpecifierSet
@@ -133,3 +134,17 @@ def require_attributes(obj, names: Tuple[str, ...], what: str) -> None:
     missing = [f"{what}.{name} is missing" for name in names if not hasattr(obj, name)]
     if missing:
         raise _lacks(missing)
+
+
+def caller_locals(function: str, depth: int) -> Optional[dict]:
+    """The local names of the nearest of the calling function's ``depth`` callers that runs a function named
+    ``function`` (one of the ``TARGETS``: where DeepSpeed hands this package less than it needs, the rest is in its
+    caller's frame), or None where none does."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == function:
+            return frame.f_locals
+        frame = frame.f_back
+    return None

@@ -6,7 +6,6 @@ DeepSpeed's engine reads several stock fields directly (``deepcompile``, ``autoe
 implement are reported by :func:`unimplemented_options` and handled at ``engine.compile()``. Unknown keys are
 rejected by ``DeepSpeedConfigModel`` (pydantic, ``extra="forbid"``) at ``deepspeed.initialize``.
 """
-import sys
 from typing import List, Literal, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
@@ -164,13 +163,8 @@ def unimplemented_options(config: CompileConfig, param_offload: str = "none") ->
 def _zero_stage_being_read() -> Optional[int]:
     """The ZeRO stage of the ds_config DeepSpeed is reading while it builds this section (``DeepSpeedConfig`` reads
     ``zero_optimization`` first, ``compat.TARGETS``), or None where the section is built on its own."""
-    frame = sys._getframe(1)
-    for _ in range(16):  # pydantic's validation frames between DeepSpeedConfig and the validator
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if frame.f_code.co_name == "_initialize_params" and type(owner).__name__ == "DeepSpeedConfig":
-            stage = getattr(owner, "zero_optimization_stage", None)
-            return None if stage is None else int(stage)
-        frame = frame.f_back
-    return None
+    from . import compat  # not at import: stock DeepSpeed imports this module while it is imported itself
+    names = compat.caller_locals("_initialize_params", 16)  # pydantic's validation frames come between
+    owner = None if names is None else names.get("self")
+    stage = getattr(owner, "zero_optimization_stage", None) if type(owner).__name__ == "DeepSpeedConfig" else None
+    return None if stage is None else int(stage)

@@ -3,8 +3,7 @@
 (``graph/sequence.py``). At ZeRO stages 1-3 ``CompileConfig`` takes ``"autosp"`` out of ``passes``, so the engine
 reaches them through its ZeRO entry points; at ZeRO-0 it keeps it, and the engine's ``get_autosp_backend`` calls
 :func:`init_autosp`, which gives the engine the ZeRO-0 pipeline (``engine_state.activate_z0``)."""
-import sys
-
+from . import compat
 from .engine_state import activate_z0, fall_back
 
 
@@ -24,14 +23,7 @@ def init_autosp(config):
 
 def _compile_request(config):
     """(engine, backend, compile_kwargs, schedule) of the ``engine.compile()`` that asks for ``config``'s backend."""
-    frame = sys._getframe(1)
-    for _ in range(4):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "get_deepspeed_compile_backend":
-            names = frame.f_locals
-            engine = names.get("self")
-            if getattr(engine, "_config", None) is config:
-                return engine, names.get("backend"), names.get("compile_kwargs"), names.get("schedule")
-        frame = frame.f_back
-    return None
+    names = compat.caller_locals("get_deepspeed_compile_backend", 4)
+    if names is None or getattr(names.get("self"), "_config", None) is not config:
+        return None
+    return names["self"], names.get("backend"), names.get("compile_kwargs"), names.get("schedule")
