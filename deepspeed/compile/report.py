@@ -54,6 +54,7 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         "tensor_parallel_layers": state.stats.tensor_parallel_layers,
         # attentions whose constant causal mask the graphs replaced by is_causal=True (graph/masks.py)
         "causal_masks": state.stats.causal_masks,
+        "run_time_masks": state.stats.run_time_masks,
     }
     report.update(runtime.report_items())  # what the stage's parts did (ZeRO-3's gathers, ZeRO-1/2's hand-offs)
     return report

@@ -30,7 +30,7 @@ from .eager_code import boxed_eager
 from .stages import graphs_of
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, joint_primals
 from ..runtime.ops import PLAIN_CALLS, UNTRACED_CALLS
-from ..graph.masks import causal_masks_pass
+from ..graph.masks import causal_masks_pass, run_time_causal_pass
 from ..graph.recompute import tag_param_aliases_pass
 from ..graph.runner import run_passes
 from ..graph.saved import SavedBytes, saved_for_backward
@@ -64,6 +64,7 @@ class CompileStats:
     sequence_collectives: int = 0  # collectives of the sequence group placed in the forward graphs (autosp)
     tensor_parallel_layers: int = 0  # AutoTP layers whose collectives the forward graphs place (autotp)
     causal_masks: int = 0  # attentions given is_causal for a constant causal mask (graph/masks.py)
+    run_time_masks: int = 0  # attentions whose mask is found causal or not at run time (graph/masks.py)
 
     def add(self, part: Dict) -> None:
         """Add what compiling one direction of one graph found (:meth:`GraphCompiler._account`)."""
@@ -317,10 +318,12 @@ def make_backend(runtime, stats: CompileStats, config: CompileConfig, backend: s
             param_ds_ids = runtime.param_ds_ids(example_inputs)
             grad_ds_ids = runtime.grad_ds_ids(example_inputs)
             gathered = {i: ds_id for i, ds_id in enumerate(param_ds_ids) if ds_id is not None}
-            stats.causal_masks += causal_masks_pass(gm)  # before the sequence pass: a mask it need not cut
+            constant, undecided = causal_masks_pass(gm)  # before the sequence pass: a mask it need not cut
+            stats.causal_masks += constant
             cut_inputs = shard_sequence_of(runtime, gm, stats)
             if runtime.tensor is not None:  # AutoTP's collectives where its layers' own are switched off
                 stats.tensor_parallel_layers += place_tensor_collectives(gm, runtime.id)
+            stats.run_time_masks += run_time_causal_pass(gm, undecided)  # on the attentions the passes above left
             uncompiled = GraphModule(gm, copy.deepcopy(gm.graph))  # the dynamo graph as traced, for other params
             gm = rewrite.insert_gathers_pass(gm, runtime_id=runtime.id, gathered_ds_ids=gathered)
             gm.recompile()

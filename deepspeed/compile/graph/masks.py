@@ -8,14 +8,19 @@ cache, as in training) and attention takes the masked kernel, which on CPU took 
 2048 tokens. Where such a mask depends on no input of the graph and its sizes are concrete, it is a constant: this
 pass computes it once at compile time, and where it is exactly the causal pattern of a square attention (what
 ``is_causal=True`` applies), the attention gets ``is_causal=True`` and no mask, as the eager model does. A mask
-computed from an input (a padding mask, given position ids) or over symbolic sizes is left as traced.
+computed from an input (a padding mask, given position ids) or over symbolic sizes cannot be decided at compile
+time: on CPU such an attention becomes ``dsc::attention`` (``run_time_causal_pass``), which decides once per graph run
+from the mask's values (``dsc::causal_flag``), as the eager model would, and runs SDPA's CPU kernel causal or masked.
 """
 import logging
-from typing import Dict, List, Optional
+import operator
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
+
+from ..runtime import ops
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +105,13 @@ def _is_causal(mask: torch.Tensor, length: int) -> bool:
     return bool((keep == causal).all())
 
 
-def causal_masks_pass(gm: GraphModule) -> int:
+def causal_masks_pass(gm: GraphModule) -> Tuple[int, List[Node]]:
     """Give every attention of ``gm`` whose mask is a constant causal one ``is_causal=True`` instead; returns how many
-    attentions were changed. The mask's nodes that nothing else reads are removed."""
-    verdicts: Dict[Node, bool] = {}
+    attentions were changed, and the attentions whose mask is no constant that ``run_time_causal_pass`` can take
+    (read from the graph as traced: run it on them once the other passes are done). The mask's nodes that nothing
+    else reads are removed."""
+    verdicts: Dict[Node, Optional[bool]] = {}  # None: not a constant
+    undecided: List[Node] = []
     computed: Dict[Node, None] = {}  # the nodes of the masks replaced
     changed = 0
     for node in list(gm.graph.nodes):
@@ -115,15 +123,21 @@ def causal_masks_pass(gm: GraphModule) -> int:
         query, key = (arg.meta.get("example_value") if isinstance(arg, Node) else None for arg in node.args[:2])
         if not all(isinstance(t, torch.Tensor) for t in (query, key)):
             continue
-        length = query.shape[-2]
-        if not isinstance(length, int) or key.shape[-2] != length:
+        length, key_length = query.shape[-2], key.shape[-2]
+        if not (isinstance(length, int) and isinstance(key_length, int)):  # symbolic: decided at run time
+            if _decidable_at_run_time(node, mask):
+                undecided.append(node)
+            continue
+        if key_length != length:  # a causal mask means a square attention
             continue
         if mask not in verdicts:
             nodes = _constant_subgraph(mask)
             value = _evaluate(gm, nodes) if nodes is not None else None
-            verdicts[mask] = value is not None and _is_causal(value, length)
+            verdicts[mask] = None if value is None else _is_causal(value, length)
             if verdicts[mask]:
                 computed.update(dict.fromkeys(nodes))
+        if verdicts[mask] is None and _decidable_at_run_time(node, mask):
+            undecided.append(node)
         if not verdicts[mask]:
             continue
         args, kwargs = list(node.args), dict(node.kwargs)
@@ -139,4 +153,48 @@ def causal_masks_pass(gm: GraphModule) -> int:
                 gm.graph.erase_node(node)
         gm.graph.lint()
         gm.recompile()
-    return changed
+    return changed, undecided
+
+
+def _decidable_at_run_time(node: Node, mask: Node) -> bool:
+    """Whether ``dsc::attention`` computes what the SDPA ``node`` does, bitwise: on CPU, the fused kernel SDPA
+    itself takes there (4-d operands with as many key/value heads as query heads, no dropout, no other flag), in
+    one dtype (so not where autocast would cast them), a mask that no gradient reaches."""
+    query, key, value, out, mask_value = (_example(arg) for arg in (*node.args[:3], node, mask))
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value, out, mask_value)):
+        return False
+    extra = dict(zip(("dropout_p", "is_causal", "scale"), node.args[4:]), **node.kwargs)
+    if extra.get("dropout_p", 0.0) != 0.0 or extra.get("is_causal", False) or extra.get("enable_gqa", False) \
+            or not isinstance(extra.get("scale"), (float, type(None))):
+        return False
+    dtype = query.dtype
+    return (query.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(t.dim() == 4 and t.dtype == dtype for t in (query, key, value, out))
+            and query.shape[1] == key.shape[1] == value.shape[1] and not mask_value.requires_grad
+            and (mask_value.dtype == torch.bool or mask_value.dtype == dtype))
+
+
+def _example(node) -> Optional[torch.Tensor]:
+    return node.meta.get("example_value") if isinstance(node, Node) else None
+
+
+def run_time_causal_pass(gm: GraphModule, attentions: List[Node]) -> int:
+    """Turn each SDPA of ``attentions`` (``causal_masks_pass``'s undecided ones) into ``dsc::attention``, its mask's
+    verdict computed once per graph run for all the attentions reading that mask; returns how many."""
+    flags: Dict[Node, Node] = {}
+    graph = gm.graph
+    for node in attentions:
+        mask = _mask_of(node)  # the mask as the other passes left it (the sequence pass gathers a split one)
+        scale = dict(zip(("dropout_p", "is_causal", "scale"), node.args[4:]), **node.kwargs).get("scale")
+        with graph.inserting_before(node):
+            if mask not in flags:
+                flags[mask] = graph.call_function(ops.CAUSAL_FLAG, (mask, ))
+            both = graph.call_function(ops.ATTENTION, (*node.args[:3], mask, flags[mask], scale))
+            out = graph.call_function(operator.getitem, (both, 0))
+        out.meta.update(node.meta)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    if attentions:
+        graph.lint()
+        gm.recompile()
+    return len(attentions)

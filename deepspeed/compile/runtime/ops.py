@@ -421,3 +421,109 @@ def _autotp_gather_backward(ctx, grad: Tensor):
 
 
 autotp_gather.register_autograd(_autotp_gather_backward, setup_context=_autotp_gather_context)
+
+
+# ----- attention whose mask may be the causal one (``graph/masks.py`` places them) -----------------------------------
+# A traced model builds its attention mask as a tensor wherever it cannot read values at trace time (``transformers``
+# under tracing, a graph over a symbolic length): eagerly the same model would pass SDPA ``is_causal=True`` once it saw
+# the mask was the causal one. These ops decide at run time instead, once per mask and graph run (``causal_flag``),
+# and run CPU's fused attention kernel (the one SDPA itself calls there) causal or with the mask. Both branches are
+# that kernel's, bitwise SDPA's, with the mask or with ``is_causal``.
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_CAUSAL_PATTERNS: dict = {}  # (length, dtype) -> the square masks that mean causal; the last few lengths only
+
+
+def _causal_patterns(length: int, dtype: torch.dtype) -> Tuple[Tensor, ...]:
+    key = (length, dtype)
+    if key not in _CAUSAL_PATTERNS:
+        if len(_CAUSAL_PATTERNS) >= 4:
+            _CAUSAL_PATTERNS.pop(next(iter(_CAUSAL_PATTERNS)))
+        keep = torch.ones(length, length, dtype=torch.bool).tril()
+        if dtype == torch.bool:
+            _CAUSAL_PATTERNS[key] = (keep, )
+        else:  # an additive mask: 0 kept, the dtype's lowest value (as transformers writes it) or -inf masked
+            _CAUSAL_PATTERNS[key] = tuple(torch.zeros(length, length, dtype=dtype).masked_fill(~keep, fill)
+                                          for fill in (torch.finfo(dtype).min, float("-inf")))
+    return _CAUSAL_PATTERNS[key]
+
+
+@effects.custom_op("dsc::causal_flag", mutates_args=())
+def causal_flag(mask: Tensor) -> Tensor:
+    """Whether ``mask`` (SDPA's boolean keep-mask or its additive float form, on CPU) is, for every batch row and
+    head, the causal mask of a square attention: a 0-dim bool tensor."""
+    length = mask.shape[-1]
+    square = mask.dim() >= 2 and mask.shape[-2] == length and mask.device.type == "cpu" \
+        and (mask.dtype == torch.bool or mask.is_floating_point())
+    if square:
+        patterns = _causal_patterns(length, mask.dtype)
+        square = all(any(torch.equal(row, pattern) for pattern in patterns) for row in mask.reshape(-1, length, length))
+    return torch.tensor(square)
+
+
+@causal_flag.register_fake
+def _(mask: Tensor) -> Tensor:
+    return mask.new_empty((), dtype=torch.bool)
+
+
+def _is_causal(query: Tensor, key: Tensor, mask: Tensor, causal: Tensor) -> bool:
+    """``causal_flag``'s verdict, for an attention as square as its mask."""
+    return bool(causal) and query.shape[-2] == key.shape[-2] == mask.shape[-1]
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """SDPA's own conversion of a boolean keep-mask before its fused kernel: 0 kept, -inf masked."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(mask.logical_not(), float("-inf"))
+
+
+@effects.custom_op("dsc::attention", mutates_args=())
+def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, causal: Tensor,
+              scale: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """SDPA of ``query``, ``key``, ``value`` (``[batch, heads, length, dim]``, on CPU) under ``mask``, causal instead
+    where ``causal`` (``causal_flag``) holds: the output and the kernel's log-sum-exp (for the backward)."""
+    if _is_causal(query, key, mask, causal):
+        return _FLASH_CPU(query, key, value, 0.0, True, scale=scale)
+    return _FLASH_CPU(query, key, value, 0.0, False, attn_mask=_additive(mask, query.dtype), scale=scale)
+
+
+@attention.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, causal: Tensor,
+      scale: Optional[float]) -> Tuple[Tensor, Tensor]:
+    # the kernel's own meta function: its outputs' strides (a compiler checks them) are the kernel's
+    return _FLASH_CPU(query, key, value, 0.0, True, scale=scale)
+
+
+@effects.custom_op("dsc::attention_backward", mutates_args=())
+def attention_backward(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, logsumexp: Tensor,
+                       mask: Tensor, causal: Tensor, scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
+    """The gradients of ``attention``'s query, key and value: the same kernel's backward, on the same branch."""
+    if _is_causal(query, key, mask, causal):
+        return _FLASH_CPU_BACKWARD(grad.contiguous(), query, key, value, out, logsumexp, 0.0, True, scale=scale)
+    return _FLASH_CPU_BACKWARD(grad.contiguous(), query, key, value, out, logsumexp, 0.0, False,
+                               attn_mask=_additive(mask, query.dtype), scale=scale)
+
+
+@attention_backward.register_fake
+def _(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, logsumexp: Tensor, mask: Tensor,
+      causal: Tensor, scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
+    return _FLASH_CPU_BACKWARD(grad.contiguous(), query, key, value, out, logsumexp, 0.0, True, scale=scale)
+
+
+def _attention_context(ctx, inputs, output) -> None:
+    query, key, value, mask, causal, scale = inputs
+    ctx.scale = scale
+    ctx.save_for_backward(query, key, value, output[0], output[1], mask, causal)
+
+
+def _attention_grads(ctx, grad: Tensor, _grad_logsumexp):
+    query, key, value, out, logsumexp, mask, causal = ctx.saved_tensors
+    grads = attention_backward(grad, query, key, value, out, logsumexp, mask, causal, ctx.scale)
+    return (*grads, None, None, None)
+
+
+attention.register_autograd(_attention_grads, setup_context=_attention_context)
+
+CAUSAL_FLAG = torch.ops.dsc.causal_flag.default
+ATTENTION = torch.ops.dsc.attention.default

@@ -7,8 +7,9 @@
 ``deepspeed.compile`` is put in place). Each rank returns ``fn(*args)``; an exception in any rank fails the
 call with that rank's traceback (:class:`RankFailure`), and a rank that has not finished within ``timeout_s``
 (a hung collective, a deadlock) is killed and reported (:class:`RankTimeout`), so one broken test never hangs
-the suite. Once a rank has failed, the others get ``FAILURE_GRACE_S`` to finish (and report their own
-failure) before they are killed: they would otherwise wait in a collective the failed rank never joins.
+the suite. Once a rank has failed, the others get ``failure_grace_s`` (default ``FAILURE_GRACE_S``) to finish (and
+report their own failure) before they are killed: they would otherwise wait in a collective the failed rank never
+joins.
 Whatever ends the call (a result, a failure, pytest-timeout's exception, Ctrl-C), no rank outlives it.
 
 Each rank's stdout and stderr go to a log of its own, written to the caller's stderr when the call ends (pytest shows
@@ -162,8 +163,8 @@ def _outcome(workdir: str, rank: int) -> Optional[tuple]:
         return pickle.load(f)
 
 
-def _wait(procs: List[mp.Process], workdir: str, timeout_s: float) -> None:
-    """Wait until every rank has exited, the deadline has passed, or a rank failed ``FAILURE_GRACE_S`` ago."""
+def _wait(procs: List[mp.Process], workdir: str, timeout_s: float, grace_s: float) -> None:
+    """Wait until every rank has exited, the deadline has passed, or a rank failed ``grace_s`` ago."""
     deadline = time.monotonic() + timeout_s
     failed_at = None
     while True:
@@ -172,14 +173,14 @@ def _wait(procs: List[mp.Process], workdir: str, timeout_s: float) -> None:
         if failed_at is None and any(not p.is_alive() and (_outcome(workdir, r) or ("error", ))[0] != "ok"
                                      for r, p in enumerate(procs)):
             failed_at = now
-        if not alive or now >= deadline or (failed_at is not None and now - failed_at >= FAILURE_GRACE_S):
+        if not alive or now >= deadline or (failed_at is not None and now - failed_at >= grace_s):
             return
-        end = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
+        end = deadline if failed_at is None else min(deadline, failed_at + grace_s)
         mp.connection.wait([p.sentinel for p in alive], timeout=max(0.0, end - now))
 
 
 def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout_s: float = 180.0,
-                    collective_timeout_s: float = 60.0) -> List[Any]:
+                    collective_timeout_s: float = 60.0, failure_grace_s: float = FAILURE_GRACE_S) -> List[Any]:
     if timeout_s > MAX_TIMEOUT_S:
         raise ValueError(f"run_distributed(timeout_s={timeout_s}): must be at most {MAX_TIMEOUT_S:.0f} s, under "
                          f"pytest's timeout of {PYTEST_TIMEOUT_S:.0f} s (pyproject.toml) with room to clean up")
@@ -191,7 +192,7 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout_s: fl
         try:
             for p in procs:
                 p.start()
-            _wait(procs, workdir, timeout_s)
+            _wait(procs, workdir, timeout_s, failure_grace_s)
         finally:  # also when pytest-timeout (or anything else) interrupts the wait: no rank may outlive the test
             still_running = [rank for rank, p in enumerate(procs) if p.pid is not None and p.is_alive()]
             _kill(procs, still_running)
@@ -214,7 +215,7 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout_s: fl
             message += f"\n{fn.__name__}: {', '.join(missing)} exited without a result (crashed)"
         if still_running:
             message += (f"\n{fn.__name__}: rank(s) {still_running} were still running "
-                        f"{FAILURE_GRACE_S:.0f} s after the first failure and were killed")
+                        f"{failure_grace_s:.0f} s after the first failure and were killed")
         raise RankFailure(message + _tails_text(tails))
     if still_running:
         raise RankTimeout(f"{fn.__name__}: rank(s) {still_running} did not finish within {timeout_s:.0f} s"

@@ -368,15 +368,15 @@ def test_harness_reports_a_crashed_ranks_last_words():
 
 
 def test_harness_reports_collective_timeout_as_failure():
-    # gloo gives up on rank 0's all_reduce after 3 s: that is rank 0's failure, with its traceback; rank 1
-    # (asleep) is killed FAILURE_GRACE_S later, long before the harness's own 120 s deadline
+    # gloo gives up on rank 0's all_reduce after 2 s: that is rank 0's failure, with its traceback; rank 1
+    # (asleep) is killed the grace period (2 s here) later, long before the harness's own 120 s deadline
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_distributed(_hang_in_collective, timeout_s=120, collective_timeout_s=3)
+        run_distributed(_hang_in_collective, timeout_s=120, collective_timeout_s=2, failure_grace_s=2)
     message = str(info.value)
     assert "--- rank 0 ---" in message and "all_reduce" in message, message
     assert "--- rank 1 ---" not in message
-    assert "rank(s) [1] were still running" in message, message
+    assert "rank(s) [1] were still running 2 s after" in message, message
     assert time.monotonic() - start < 60
 
 

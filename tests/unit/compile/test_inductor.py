@@ -15,8 +15,10 @@ its update, adds).
 Under autocast(bf16) the bounds of test_pipeline.py apply (twice eager ZeRO-3's own bf16 gradient error against
 fp32; the step-0 loss within 2^-8, the others within 1e-2). SGD, so that parameters carry the gradients' scale.
 """
+import os
 import uuid
 
+import pytest
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -284,18 +286,50 @@ def _one_process(steps, aot_cache=True, prefetch_bucket=0, stage=3):
             "compile_s": dict(stats.compile_seconds)}
 
 
-def test_warm_process_loads_the_compiled_graphs_and_trains_identically(tmp_path, monkeypatch):
-    """Two processes in turn on one fresh inductor cache directory (each a 2-rank run): the first compiles every
-    graph and torch's AOTAutograd cache stores it; the second loads every graph from it (our compilers do not run)
-    and trains bitwise identically, and its report's compile figures (collective order, saved bytes, planned peak)
-    are the first's, from the compile record. A third with ``"aot_cache": false`` compiles every graph again, and so
-    does a fourth whose ZeRO settings change what the passes build (a 3000-element prefetch bucket: gathers coalesced
-    into runs), with the same arithmetic."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
-    steps = 3
-    cold = run_distributed(_one_process, steps, timeout_s=400)
-    warm = run_distributed(_one_process, steps, timeout_s=400)
-    for c, w in zip(cold, warm):
+def _processes(cases):
+    """``_one_process`` for each case in turn, in one launch (dynamo and its counters reset between): the cases of
+    one launch share the process, as a user's consecutive engines would, and only the disk cache with the others."""
+    from torch._dynamo.utils import counters
+    out = []
+    for case in cases:
+        torch._dynamo.reset()
+        counters.clear()
+        out.append(_one_process(*case))
+    return out
+
+
+WARM_STEPS = 3
+# (steps, aot_cache, prefetch_bucket, stage): ZeRO-3, ZeRO-2, ZeRO-3 with "aot_cache": false, ZeRO-3 whose passes
+# build other graphs (a 3000-element prefetch bucket: gathers coalesced into runs)
+ZERO3, ZERO2, NO_CACHE, RUNS = (WARM_STEPS, True, 0, 3), (WARM_STEPS, True, 0, 2), (WARM_STEPS, False), \
+    (WARM_STEPS, True, 3000)
+
+
+@pytest.fixture(scope="module")
+def cache_launches(tmp_path_factory):
+    """Three launches in turn on one fresh inductor cache directory (each a 2-rank run): the first compiles ZeRO-3's
+    and ZeRO-2's graphs, the second is a warm process for both, the third compiles without the cache, then with
+    other ZeRO settings. Each returns its cases' results, per rank."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))  # the ranks inherit it
+    try:
+        return {name: run_distributed(_processes, cases, timeout_s=450)
+                for name, cases in (("cold", (ZERO3, ZERO2)), ("warm", (ZERO3, ZERO2)), ("other", (NO_CACHE, RUNS)))}
+    finally:
+        if previous is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def test_warm_process_loads_the_compiled_graphs_and_trains_identically(cache_launches):
+    """The first process compiles every graph and torch's AOTAutograd cache stores it; the second loads every graph
+    from it (our compilers do not run) and trains bitwise identically, and its report's compile figures (collective
+    order, saved bytes, planned peak) are the first's, from the compile record. With ``"aot_cache": false`` every
+    graph compiles again, and so does every graph of an engine whose ZeRO settings change what the passes build,
+    with the same arithmetic."""
+    for cold, warm, other in zip(*(cache_launches[name] for name in ("cold", "warm", "other"))):
+        c, w = cold[0], warm[0]
         assert c["compiled"] > 0 and c["loaded"] == 0 and c["aot"].get("autograd_cache_hit", 0) == 0, c["aot"]
         assert c["compile_s"]["forward"] > 0 and c["compile_s"]["backward"] > 0 and c["compile_s"]["partition"] > 0
         assert w["loaded"] == w["compiled"] == c["compiled"], (w["loaded"], w["compiled"], c["compiled"])
@@ -306,23 +340,20 @@ def test_warm_process_loads_the_compiled_graphs_and_trains_identically(tmp_path,
         assert (w["orders"], w["saved"], w["peak"]) == (c["orders"], c["saved"], c["peak"])
         assert any(order for order in c["orders"]), "the graphs issue no collectives"
         print(f"first step: cold {c['first_step_s']:.1f} s, warm {w['first_step_s']:.1f} s")
-    for c, off in zip(cold, run_distributed(_one_process, steps, False, timeout_s=400)):
+        off, runs = other
         assert off["loaded"] == 0 and off["aot"].get("autograd_cache_hit", 0) == 0, off["aot"]
         assert off["compiled"] == c["compiled"] and off["compile_s"]["forward"] > 0
         assert off["losses"] == c["losses"] and (off["orders"], off["saved"]) == (c["orders"], c["saved"])
-    for c, runs in zip(cold, run_distributed(_one_process, steps, True, 3000, timeout_s=400)):
         assert runs["loaded"] == 0 and runs["aot"].get("autograd_cache_hit", 0) == 0, runs["aot"]
         assert runs["compiled"] == c["compiled"] and runs["losses"] == c["losses"]
 
 
-def test_warm_process_at_zero2_loads_the_graphs_with_their_fused_reduces(tmp_path, monkeypatch):
+def test_warm_process_at_zero2_loads_the_graphs_with_their_fused_reduces(cache_launches):
     """ZeRO-2 on inductor: a warm process loads its graphs from torch's AOTAutograd cache, and the loaded backward
     still computes each linear weight's gradient in its reduce, in ZeRO's bucket (``reduce_grad_mm``, registered as
     having a side effect: no cached graph may have dropped it), training bitwise as the cold process did."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    cold = run_distributed(_one_process, 3, True, 0, 2, timeout_s=400)
-    warm = run_distributed(_one_process, 3, True, 0, 2, timeout_s=400)
-    for c, w in zip(cold, warm):
+    for cold, warm in zip(cache_launches["cold"], cache_launches["warm"]):
+        c, w = cold[1], warm[1]
         assert c["compiled"] > 0 and c["loaded"] == 0 and w["loaded"] == w["compiled"] == c["compiled"], (c, w)
         assert w["aot"].get("autograd_cache_hit", 0) == c["compiled"], w["aot"]
         assert c["fused"][0] > 0 and c["fused"][1] > 0 and w["fused"] == c["fused"], (c["fused"], w["fused"])
@@ -385,7 +416,6 @@ def test_compile_kwargs_mode_and_options_resolve_as_torch_compile_resolves_them(
     """What engine.compile(compile_kwargs=...) gives inductor: torch.compile's own resolution of mode and options; a
     bad value is refused at engine.compile(), naming the argument; with the eager backend a warning, nothing else."""
     import logging
-    import pytest
     from deepspeed.compile.engine_state import inductor_settings
     assert inductor_settings("inductor", {}) == {} and inductor_settings("inductor", {"mode": "default"}) == {}
     assert inductor_settings("inductor", {"dynamic": False}) == {}

@@ -447,29 +447,40 @@ def test_eager_backend_calls_aten_ops_past_their_python_wrapper():
 
 
 def _attention_masks(model, batch):
-    """Run ``model`` compiled with the causal-mask pass; returns (attentions changed, each attention's mask and
-    is_causal after the pass, the compiled model's logits)."""
-    from deepspeed.compile.graph.masks import causal_masks_pass
+    """Run ``model`` compiled with the causal-mask passes; returns (attentions given is_causal, attentions left to
+    the run-time decision, each SDPA's mask and is_causal after the passes, the compiled model's logits, the
+    gradients of its parameters)."""
+    from deepspeed.compile.graph.masks import causal_masks_pass, run_time_causal_pass
     seen = {}
 
     def backend(gm, example_inputs):
-        seen["changed"] = causal_masks_pass(gm)
+        seen["changed"], undecided = causal_masks_pass(gm)
+        seen["at run time"] = run_time_causal_pass(gm, undecided)
         seen["calls"] = [(n.kwargs.get("attn_mask"), n.kwargs.get("is_causal")) for n in gm.graph.nodes
                          if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
         return gm.forward
 
     torch._dynamo.reset()
+    model.zero_grad()
     logits = torch.compile(model, backend=backend)(**batch).logits
+    logits.square().mean().backward()
     torch._dynamo.reset()
-    return seen["changed"], seen["calls"], logits
+    return seen["changed"], seen["at run time"], seen["calls"], logits, _grads(model)
 
 
-@pytest.mark.parametrize("case", ["causal", "padded", "sliding_window"])
-def test_a_constant_causal_mask_becomes_is_causal_and_no_other_mask_does(case):
+def _grads(model):
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("case", ["causal", "padded", "unpadded", "sliding_window", "dynamic"])
+def test_a_causal_mask_becomes_is_causal_at_compile_time_or_at_run_time(case):
     """A `transformers` model run without a cache (as in training) builds its causal mask in the graph when traced;
-    the pass gives those attentions is_causal=True, as the eager model has. A mask read from an input (padding) or
-    a constant one that is not causal (a sliding window shorter than the sequence) stays, and every output equals the
-    eager model's."""
+    where the mask is a constant, the pass gives those attentions is_causal=True, as the eager model has. A constant
+    mask that is not causal (a sliding window shorter than the sequence) stays. A mask read from an input (an
+    attention mask, padded or not) or built over a symbolic length goes to ``dsc::attention``, which decides per run.
+    Every output and gradient equals the eager model's (the same CPU kernel, causal or masked, as eager SDPA takes)."""
     from models import tiny_llama
     from transformers import MistralConfig, MistralForCausalLM
     torch.manual_seed(0)
@@ -481,18 +492,75 @@ def test_a_constant_causal_mask_becomes_is_causal_and_no_other_mask_does(case):
             num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa", use_cache=False))
     else:
         model = tiny_llama()
-    if case == "padded":
+    if case in ("padded", "unpadded"):
         batch["attention_mask"] = torch.ones_like(ids)
-        batch["attention_mask"][1, :3] = 0
-    changed, calls, logits = _attention_masks(model, batch)
-    assert len(calls) == 2
+        if case == "padded":
+            batch["attention_mask"][1, :3] = 0
+    if case == "dynamic":  # a symbolic length, as after a length change or under sequence parallelism
+        torch._dynamo.mark_dynamic(ids, 1)
+    changed, at_run_time, calls, logits, grads = _attention_masks(model, batch)
+    expected = {"causal": (2, 0), "sliding_window": (0, 0)}.get(case, (0, 2))
+    assert (changed, at_run_time) == expected, (changed, at_run_time, calls)
     if case == "causal":
-        assert changed == 2 and all(mask is None and causal for mask, causal in calls), calls
+        assert len(calls) == 2 and all(mask is None and causal for mask, causal in calls), calls
     else:
-        assert changed == 0 and all(mask is not None for mask, _ in calls), calls
-    with torch.no_grad():
-        expected = model(**batch).logits
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+        assert len(calls) == 2 - at_run_time and all(mask is not None for mask, _ in calls), calls
+    eager = model(**batch).logits
+    eager.square().mean().backward()
+    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-6)
+    eager_grads = _grads(model)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _masks(length: int):
+    keep = torch.ones(length, length, dtype=torch.bool).tril()
+    padded = keep[None, None].repeat(2, 1, 1, 1)
+    padded[1, :, :, :3] = False
+    padded[1, :, :3, 0] = True  # a row may not be all masked (SDPA's output there is NaN)
+    return {"causal bool": (keep[None, None].expand(2, 1, length, length), True),
+            "causal -inf": (torch.zeros(length, length).masked_fill(~keep, float("-inf")), True),
+            "causal min": (torch.zeros(1, 1, length, length).masked_fill(~keep, torch.finfo(torch.float32).min), True),
+            "padded": (padded, False), "bias": (torch.zeros(length, length).masked_fill(~keep, -1.0), False),
+            "upper": (keep.T.contiguous(), False), "window": (keep & torch.ones_like(keep).triu(-2), False),
+            "one row causal": (torch.stack([keep, keep.triu()])[:, None], False)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_run_time_attention_is_sdpa_causal_or_masked_bitwise(dtype):
+    """``dsc::causal_flag`` holds for the causal masks only, and ``dsc::attention``'s output and gradients equal
+    SDPA's, bitwise: with ``is_causal=True`` where the flag holds (what the eager model passes for that mask), with
+    the mask otherwise."""
+    import torch.nn.functional as F
+    from deepspeed.compile.runtime import ops
+    torch.manual_seed(0)
+    length = 12
+    q, k, v = (torch.randn(2, 4, length, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 4, length, 8, dtype=dtype)
+    for name, (mask, causal) in _masks(length).items():
+        if mask.is_floating_point():
+            mask = mask.to(dtype)
+        flag = ops.causal_flag(mask)
+        assert bool(flag) == causal, name
+        out = ops.attention(q, k, v, mask, flag, None)[0]
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True) if causal else \
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert torch.equal(out, expected), name
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        for ours, theirs in zip(grads, torch.autograd.grad(expected, (q, k, v), grad)):
+            assert torch.equal(ours, theirs), name
+    # the fake kernels' strides are the kernel's (inductor checks them), for query/key/value in the [batch, length,
+    # heads, dim] memory layout a model's projections leave them in
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    for mask, _ in list(_masks(length).values())[:4:3]:
+        mask = mask.to(dtype) if mask.is_floating_point() else mask
+        flag = ops.causal_flag(mask)
+        torch.library.opcheck(ops.ATTENTION, (q, k, v, mask, flag, None))
+        out, lse = ops.attention(q, k, v, mask, flag, 0.5)
+        torch.library.opcheck(torch.ops.dsc.attention_backward.default, (grad, q, k, v, out, lse, mask, flag, 0.5),
+                              test_utils=("test_schema", "test_faketensor"))
+    assert not bool(ops.causal_flag(torch.ones(length, length, dtype=torch.int64).tril()))
+    assert not bool(ops.causal_flag(torch.ones(length, length + 1, dtype=torch.bool).tril()))
 
 
 def test_only_the_exact_lower_triangle_counts_as_causal():

@@ -28,6 +28,8 @@ relative (measured 1.1e-2 and 1.8e-3, a few bf16 roundings): a gradient left unr
 reduced one by up to 124 % per parameter and 38 % in norm (measured against each rank's own fp32 gradient), a
 doubled one by 100 %.
 """
+import os
+
 import pytest
 import torch
 
@@ -566,13 +568,24 @@ def test_hf_trainer_trains_evaluates_and_saves_as_eager_zero3(tmp_path):
         assert worst <= 1e-4, worst
 
 
+def _hf_trainer_stages(workdir: str, stages):
+    return {stage: _hf_trainer(os.path.join(workdir, str(stage)), stage) for stage in stages}
+
+
+@pytest.fixture(scope="module")
+def hf_trainer_zero12(tmp_path_factory):
+    """The Trainer runs at ZeRO-1 and ZeRO-2, one launch."""
+    return run_distributed(_hf_trainer_stages, str(tmp_path_factory.mktemp("trainer")), (1, 2), timeout_s=500)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
-def test_hf_trainer_at_zero_1_and_2_trains_evaluates_and_saves_as_eager_zero(tmp_path, stage):
+def test_hf_trainer_at_zero_1_and_2_trains_evaluates_and_saves_as_eager_zero(hf_trainer_zero12, stage):
     """The same Trainer run at ZeRO-1 and ZeRO-2 (Hugging Face's "auto" reduce bucket: hidden^2 elements, smaller
     than most of the model's weights, which then take ZeRO-2's own path for wide gradients): every logged loss,
     evaluation loss and gradient norm, and the saved weights, bitwise eager ZeRO's (replicated parameters, fp32, the
     eager backend: the same arithmetic, docs/design.md)."""
-    for r in run_distributed(_hf_trainer, str(tmp_path), stage, timeout_s=400):
+    for by_stage in hf_trainer_zero12:
+        r = by_stage[stage]
         assert r["active"] and r["report"]["zero_stage"] == stage, r["report"]
         assert r["report"]["eager_grads"] == 0 and r["report"]["matmul_grads"] > 0, r["report"]
         eager, compiled = r[False], r[True]
