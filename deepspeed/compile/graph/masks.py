@@ -164,7 +164,8 @@ def _decidable_at_run_time(node: Node, mask: Node) -> bool:
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value, out, mask_value)):
         return False
     extra = dict(zip(("dropout_p", "is_causal", "scale"), node.args[4:]), **node.kwargs)
-    if extra.get("dropout_p", 0.0) != 0.0 or extra.get("is_causal", False) or extra.get("enable_gqa", False) \
+    # (grouped key/value heads: fewer than the query's, refused below, with or without enable_gqa)
+    if extra.get("dropout_p", 0.0) != 0.0 or extra.get("is_causal", False) \
             or not isinstance(extra.get("scale"), (float, type(None))):
         return False
     dtype = query.dtype

@@ -466,11 +466,6 @@ def _(mask: Tensor) -> Tensor:
     return mask.new_empty((), dtype=torch.bool)
 
 
-def _is_causal(query: Tensor, key: Tensor, mask: Tensor, causal: Tensor) -> bool:
-    """``causal_flag``'s verdict, for an attention as square as its mask."""
-    return bool(causal) and query.shape[-2] == key.shape[-2] == mask.shape[-1]
-
-
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """SDPA's own conversion of a boolean keep-mask before its fused kernel: 0 kept, -inf masked."""
     if mask.dtype != torch.bool:
@@ -483,7 +478,7 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, causal: T
               scale: Optional[float]) -> Tuple[Tensor, Tensor]:
     """SDPA of ``query``, ``key``, ``value`` (``[batch, heads, length, dim]``, on CPU) under ``mask``, causal instead
     where ``causal`` (``causal_flag``) holds: the output and the kernel's log-sum-exp (for the backward)."""
-    if _is_causal(query, key, mask, causal):
+    if bool(causal):  # the mask is square, and so is the attention it broadcasts to
         return _FLASH_CPU(query, key, value, 0.0, True, scale=scale)
     return _FLASH_CPU(query, key, value, 0.0, False, attn_mask=_additive(mask, query.dtype), scale=scale)
 
@@ -499,7 +494,7 @@ def _(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, causal: Tensor,
 def attention_backward(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, logsumexp: Tensor,
                        mask: Tensor, causal: Tensor, scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
     """The gradients of ``attention``'s query, key and value: the same kernel's backward, on the same branch."""
-    if _is_causal(query, key, mask, causal):
+    if bool(causal):  # the mask is square, and so is the attention it broadcasts to
         return _FLASH_CPU_BACKWARD(grad.contiguous(), query, key, value, out, logsumexp, 0.0, True, scale=scale)
     return _FLASH_CPU_BACKWARD(grad.contiguous(), query, key, value, out, logsumexp, 0.0, False,
                                attn_mask=_additive(mask, query.dtype), scale=scale)

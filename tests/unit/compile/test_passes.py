@@ -513,6 +513,63 @@ def test_a_causal_mask_becomes_is_causal_at_compile_time_or_at_run_time(case):
         torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _run_time_rewrites(fn, *args) -> int:
+    """How many attentions of ``fn``'s graph the passes leave to the run-time decision; checks ``fn``'s outputs."""
+    from deepspeed.compile.graph.masks import causal_masks_pass, run_time_causal_pass
+    seen = {}
+
+    def backend(gm, example_inputs):
+        _, undecided = causal_masks_pass(gm)
+        seen["at run time"] = run_time_causal_pass(gm, undecided)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    out = torch.compile(fn, backend=backend)(*args)
+    torch.manual_seed(0)
+    torch.testing.assert_close(out, fn(*args), rtol=0, atol=0)
+    torch._dynamo.reset()
+    return seen["at run time"]
+
+
+def test_the_run_time_decision_takes_only_attentions_it_computes_bitwise():
+    """``dsc::attention`` runs SDPA's CPU kernel without dropout, on operands of one dtype, under a mask no gradient
+    reaches: an attention with dropout, one that autocast casts, one whose mask is a trained bias, one with grouped
+    key/value heads, or one causal besides its mask stays SDPA (the eager model's call, as traced); a plain one
+    does not."""
+    import torch.nn.functional as F
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+    mask[1, ..., 0] = False
+    mask[1, 0, 0, 0] = True
+
+    def plain(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def dropout(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.5)
+
+    def autocast(q, k, v, mask):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def bias(q, k, v, weight):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=weight * 2)
+
+    def grouped(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k[:, :2], v[:, :2], attn_mask=mask, enable_gqa=True)
+
+    def causal_and_mask(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+
+    assert _run_time_rewrites(plain, q, k, v, mask) == 1
+    assert _run_time_rewrites(dropout, q, k, v, mask) == 0
+    assert _run_time_rewrites(autocast, q, k, v, mask) == 0
+    assert _run_time_rewrites(bias, q, k, v, torch.zeros(8, 8, requires_grad=True)) == 0
+    assert _run_time_rewrites(grouped, q, k, v, mask) == 0
+    assert _run_time_rewrites(causal_and_mask, q, k, v, mask) == 0
+
+
 def _masks(length: int):
     keep = torch.ones(length, length, dtype=torch.bool).tril()
     padded = keep[None, None].repeat(2, 1, 1, 1)
