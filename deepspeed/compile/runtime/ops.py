@@ -10,7 +10,8 @@ compiles block by block, its guards being on metadata), each call on its own par
 Ops with no result declare the mutation they really perform (``release_param`` frees the gathered buffer's
 storage, ``reduce_grad`` consumes the gradient) so that no compiler drops or reorders them across their data.
 """
-from typing import List, Optional, Sequence, Tuple
+import itertools
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -431,21 +432,26 @@ autotp_gather.register_autograd(_autotp_gather_backward, setup_context=_autotp_g
 # that kernel's, bitwise SDPA's, with the mask or with ``is_causal``.
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-_CAUSAL_PATTERNS: dict = {}  # (length, dtype) -> the square masks that mean causal; the last few lengths only
+_CAUSAL_KEEP: Dict[int, Tensor] = {}  # length -> the causal keep-mask, for the last two lengths (L^2 bytes each)
 
 
-def _causal_patterns(length: int, dtype: torch.dtype) -> Tuple[Tensor, ...]:
-    key = (length, dtype)
-    if key not in _CAUSAL_PATTERNS:
-        if len(_CAUSAL_PATTERNS) >= 4:
-            _CAUSAL_PATTERNS.pop(next(iter(_CAUSAL_PATTERNS)))
-        keep = torch.ones(length, length, dtype=torch.bool).tril()
-        if dtype == torch.bool:
-            _CAUSAL_PATTERNS[key] = (keep, )
-        else:  # an additive mask: 0 kept, the dtype's lowest value (as transformers writes it) or -inf masked
-            _CAUSAL_PATTERNS[key] = tuple(torch.zeros(length, length, dtype=dtype).masked_fill(~keep, fill)
-                                          for fill in (torch.finfo(dtype).min, float("-inf")))
-    return _CAUSAL_PATTERNS[key]
+def _causal_keep(length: int) -> Tensor:
+    if length not in _CAUSAL_KEEP:
+        if len(_CAUSAL_KEEP) >= 2:
+            _CAUSAL_KEEP.pop(next(iter(_CAUSAL_KEEP)))
+        _CAUSAL_KEEP[length] = torch.ones(length, length, dtype=torch.bool).tril()
+    return _CAUSAL_KEEP[length]
+
+
+def _is_causal_square(square: Tensor, keep: Tensor) -> bool:
+    if square.dtype == torch.bool:
+        return torch.equal(square, keep)
+    # an additive mask: 0 kept; masked, a value that vanishes in the softmax (-inf, or the dtype's lowest as
+    # transformers writes it)
+    if not torch.equal(square == 0, keep):
+        return False
+    low = torch.finfo(square.dtype).min / 2
+    return bool((square.masked_fill(keep, low) <= low).all())
 
 
 @effects.custom_op("dsc::causal_flag", mutates_args=())
@@ -453,12 +459,13 @@ def causal_flag(mask: Tensor) -> Tensor:
     """Whether ``mask`` (SDPA's boolean keep-mask or its additive float form, on CPU) is, for every batch row and
     head, the causal mask of a square attention: a 0-dim bool tensor."""
     length = mask.shape[-1]
-    square = mask.dim() >= 2 and mask.shape[-2] == length and mask.device.type == "cpu" \
+    causal = mask.dim() >= 2 and mask.shape[-2] == length and mask.device.type == "cpu" \
         and (mask.dtype == torch.bool or mask.is_floating_point())
-    if square:
-        patterns = _causal_patterns(length, mask.dtype)
-        square = all(any(torch.equal(row, pattern) for pattern in patterns) for row in mask.reshape(-1, length, length))
-    return torch.tensor(square)
+    if causal:
+        keep = _causal_keep(length)
+        rows = itertools.product(*(range(size) for size in mask.shape[:-2]))  # views: a broadcast mask is not copied
+        causal = all(_is_causal_square(mask[row], keep) for row in rows)
+    return torch.tensor(causal)
 
 
 @causal_flag.register_fake
