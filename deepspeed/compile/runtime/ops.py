@@ -9,6 +9,8 @@ So one compiled graph serves every module of the same code (dynamo reuses a grap
 compiles block by block, its guards being on metadata), each call on its own parameters. The ``ds_id`` names the traced parameter for the compiler's passes and reports.
 Ops with no result declare the mutation they really perform (``release_param`` frees the gathered buffer's
 storage, ``reduce_grad`` consumes the gradient) so that no compiler drops or reorders them across their data.
+The attention ops at the end (``causal_flag``, ``attention``) need no runtime: SDPA's CPU kernel, with its causal
+form chosen at run time.
 """
 import itertools
 from typing import Dict, List, Optional, Sequence, Tuple
