@@ -100,18 +100,19 @@ def _bf16(fp32_eager_grads):
 
 
 def _errors():
-    """What the first call of a split engine raises for ranks fed different batches, and for a length 2 does not
-    divide."""
+    """What a split engine raises for ranks fed different batches (its first call), then for a length 2 does not
+    divide; then the loss of a batch it can split: a refused batch leaves the engine as it was."""
     rank = torch.distributed.get_rank()
     out = {}
+    torch._dynamo.reset()
+    engine = _engine("llama", 3, 2, "eager")
     for case, batch in (("different batches", _batch(0, rank, 16)), ("odd length", _batch(0, 0, 15))):
-        torch._dynamo.reset()
-        engine = _engine("llama", 3, 2, "eager")
         try:
             engine(**batch)
         except ValueError as err:
             out[case] = str(err)
-        engine.destroy()
+    out["loss after"] = engine(**_batch(0, 0, 16)).loss.item()
+    engine.destroy()
     return out
 
 
@@ -197,11 +198,13 @@ def test_sequence_parallel_in_bf16_is_as_accurate_as_eager_zero3(two_ranks):
 
 def test_sequence_parallel_refuses_what_it_cannot_split(two_ranks):
     """Ranks of one group fed different batches, and a length the group's size does not divide: a ValueError naming
-    sequence_parallel_size on every rank, before any wrong result."""
+    sequence_parallel_size on every rank, before any wrong result; the engine then computes the loss of a batch it
+    can split as a fresh one does."""
     for result in two_ranks:
         r = result["errors"]
         assert "sequence_parallel_size=2" in r["different batches"] and "same batch" in r["different batches"], r
         assert "sequence_parallel_size=2" in r["odd length"] and "15" in r["odd length"], r
+        assert r["loss after"] == result[("llama", 3)]["losses"][0], (r["loss after"], result[("llama", 3)]["losses"])
 
 
 def test_one_ranks_compile_failure_stops_both_ranks_of_the_sequence_group(two_ranks):
