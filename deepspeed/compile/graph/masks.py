@@ -87,22 +87,14 @@ def _evaluate(gm: GraphModule, nodes: List[Node]) -> Optional[torch.Tensor]:
 
 
 def _is_causal(mask: torch.Tensor, length: int) -> bool:
-    """Whether ``mask`` (SDPA's boolean keep-mask, or its additive float form) is, for every batch row and head it
-    broadcasts over, exactly the lower triangle of a ``length`` x ``length`` attention."""
-    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
-        return False
-    if mask.dtype == torch.bool:
-        keep = mask
-    elif mask.is_floating_point():
-        keep = mask == 0
-        masked = mask[~keep]
-        # the masked entries must vanish in the softmax: -inf, or the dtype's lowest value as transformers writes
-        if masked.numel() and not bool((masked <= torch.finfo(mask.dtype).min / 2).all()):
-            return False
-    else:
-        return False
-    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    return bool((keep == causal).all())
+    """Whether ``mask`` is exactly the causal mask of a ``length`` x ``length`` attention (``ops.is_causal_mask``,
+    which the run-time decision uses too)."""
+    return mask.dim() >= 2 and tuple(mask.shape[-2:]) == (length, length) and ops.is_causal_mask(mask)
+
+
+def _options(node: Node) -> dict:
+    """An SDPA node's arguments after the mask, by name: dropout_p, is_causal, scale (and enable_gqa)."""
+    return {**dict(zip(("dropout_p", "is_causal", "scale"), node.args[4:])), **node.kwargs}
 
 
 def causal_masks_pass(gm: GraphModule) -> Tuple[int, List[Node]]:
@@ -140,11 +132,7 @@ def causal_masks_pass(gm: GraphModule) -> Tuple[int, List[Node]]:
             undecided.append(node)
         if not verdicts[mask]:
             continue
-        args, kwargs = list(node.args), dict(node.kwargs)
-        del args[3:]  # SDPA's positional arguments after the value: mask, dropout_p, is_causal, scale
-        kwargs.update(zip(("dropout_p", "is_causal", "scale"), node.args[4:]))
-        kwargs.update(attn_mask=None, is_causal=True)
-        node.args, node.kwargs = tuple(args), kwargs
+        node.args, node.kwargs = node.args[:3], {**_options(node), "attn_mask": None, "is_causal": True}
         changed += 1
     if changed:
         order = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -163,7 +151,7 @@ def _decidable_at_run_time(node: Node, mask: Node) -> bool:
     query, key, value, out, mask_value = (_example(arg) for arg in (*node.args[:3], node, mask))
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value, out, mask_value)):
         return False
-    extra = dict(zip(("dropout_p", "is_causal", "scale"), node.args[4:]), **node.kwargs)
+    extra = _options(node)
     # (grouped key/value heads: fewer than the query's, refused below, with or without enable_gqa)
     if extra.get("dropout_p", 0.0) != 0.0 or extra.get("is_causal", False) \
             or not isinstance(extra.get("scale"), (float, type(None))):
@@ -186,7 +174,7 @@ def run_time_causal_pass(gm: GraphModule, attentions: List[Node]) -> int:
     graph = gm.graph
     for node in attentions:
         mask = _mask_of(node)  # the mask as the other passes left it (the sequence pass gathers a split one)
-        scale = dict(zip(("dropout_p", "is_causal", "scale"), node.args[4:]), **node.kwargs).get("scale")
+        scale = _options(node).get("scale")
         with graph.inserting_before(node):
             if mask not in flags:
                 flags[mask] = graph.call_function(ops.CAUSAL_FLAG, (mask, ))

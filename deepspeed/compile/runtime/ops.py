@@ -434,15 +434,16 @@ autotp_gather.register_autograd(_autotp_gather_backward, setup_context=_autotp_g
 # that kernel's, bitwise SDPA's, with the mask or with ``is_causal``.
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-_CAUSAL_KEEP: Dict[int, Tensor] = {}  # length -> the causal keep-mask, for the last two lengths (L^2 bytes each)
+_CAUSAL_KEEP: Dict[Tuple[int, torch.device], Tensor] = {}  # the causal keep-mask of the last two lengths (L^2 bytes)
 
 
-def _causal_keep(length: int) -> Tensor:
-    if length not in _CAUSAL_KEEP:
+def _causal_keep(length: int, device: torch.device) -> Tensor:
+    key = (length, device)
+    if key not in _CAUSAL_KEEP:
         if len(_CAUSAL_KEEP) >= 2:
             _CAUSAL_KEEP.pop(next(iter(_CAUSAL_KEEP)))
-        _CAUSAL_KEEP[length] = torch.ones(length, length, dtype=torch.bool).tril()
-    return _CAUSAL_KEEP[length]
+        _CAUSAL_KEEP[key] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return _CAUSAL_KEEP[key]
 
 
 def _is_causal_square(square: Tensor, keep: Tensor) -> bool:
@@ -456,18 +457,22 @@ def _is_causal_square(square: Tensor, keep: Tensor) -> bool:
     return bool((square.masked_fill(keep, low) <= low).all())
 
 
+def is_causal_mask(mask: Tensor) -> bool:
+    """Whether ``mask`` (SDPA's boolean keep-mask or its additive float form) is, for every batch row and head it
+    broadcasts over, exactly the causal mask of a square attention: what ``is_causal=True`` applies."""
+    length = mask.shape[-1]
+    if mask.dim() < 2 or mask.shape[-2] != length or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        return False
+    keep = _causal_keep(length, mask.device)
+    rows = itertools.product(*(range(size) for size in mask.shape[:-2]))  # views: a broadcast mask is not copied
+    return all(_is_causal_square(mask[row], keep) for row in rows)
+
+
 @effects.custom_op("dsc::causal_flag", mutates_args=())
 def causal_flag(mask: Tensor) -> Tensor:
-    """Whether ``mask`` (SDPA's boolean keep-mask or its additive float form, on CPU) is, for every batch row and
-    head, the causal mask of a square attention: a 0-dim bool tensor."""
-    length = mask.shape[-1]
-    causal = mask.dim() >= 2 and mask.shape[-2] == length and mask.device.type == "cpu" \
-        and (mask.dtype == torch.bool or mask.is_floating_point())
-    if causal:
-        keep = _causal_keep(length)
-        rows = itertools.product(*(range(size) for size in mask.shape[:-2]))  # views: a broadcast mask is not copied
-        causal = all(_is_causal_square(mask[row], keep) for row in rows)
-    return torch.tensor(causal)
+    """:func:`is_causal_mask` of ``mask``, as a 0-dim bool tensor (the graph computes it once a run for every
+    attention reading that mask)."""
+    return torch.tensor(is_causal_mask(mask))
 
 
 @causal_flag.register_fake
