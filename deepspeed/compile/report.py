@@ -52,6 +52,8 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         # "passes": ["autotp"]: AutoTP's group size (1: none), and its layers whose collectives the graphs place
         "tensor_parallel_size": 1 if runtime.tensor is None else runtime.tensor.size,
         "tensor_parallel_layers": state.stats.tensor_parallel_layers,
+        # of the backward graphs' sums over that group, those in flight while other code runs (graph/tensor.py)
+        "tensor_sums_overlapped": state.stats.tensor_sums_overlapped,
         # attentions whose constant causal mask the graphs replaced by is_causal=True (graph/masks.py)
         "causal_masks": state.stats.causal_masks,
         "run_time_masks": state.stats.run_time_masks,

@@ -35,7 +35,7 @@ from ..graph.recompute import tag_param_aliases_pass
 from ..graph.runner import run_passes
 from ..graph.saved import SavedBytes, saved_for_backward
 from ..graph.sequence import shard_sequence
-from ..graph.tensor import place_tensor_collectives
+from ..graph.tensor import overlap_tensor_sums, place_tensor_collectives
 from ..schedule.fast_free import fast_free_schedule
 from ..schedule.memory_plan import peak_gathered_bytes
 
@@ -63,6 +63,7 @@ class CompileStats:
     kept_gathered_bytes: int = 0  # of compile.keep_gathered_bytes, taken by parameters kept gathered for backward
     sequence_collectives: int = 0  # collectives of the sequence group placed in the forward graphs (autosp)
     tensor_parallel_layers: int = 0  # AutoTP layers whose collectives the forward graphs place (autotp)
+    tensor_sums_overlapped: int = 0  # of AutoTP's sums in the backward graphs, those left in flight over other code
     causal_masks: int = 0  # attentions given is_causal for a constant causal mask (graph/masks.py)
     run_time_masks: int = 0  # attentions whose mask is found causal or not at run time (graph/masks.py)
 
@@ -185,9 +186,16 @@ class GraphCompiler:
         rid = self.runtime.id
         passes = [("insert_reduces", functools.partial(rewrite.insert_reduces_pass, runtime_id=rid,
                                                        grad_ds_ids=self.grad_ds_ids))]
-        gm = run_passes(gm, passes + self._common_passes(), self.stats.pass_times)
+        passes += self._common_passes()
+        if self.runtime.tensor is not None:  # AutoTP's sums in flight while the weight gradients are computed
+            passes.append(("overlap_tensor_sums", self._overlap_tensor_sums))
+        gm = run_passes(gm, passes, self.stats.pass_times)
         self._account("backward", gm)
         return self._finish(gm, example_inputs, is_backward=True, is_inference=False)
+
+    def _overlap_tensor_sums(self, gm: GraphModule) -> GraphModule:
+        self.stats.tensor_sums_overlapped += overlap_tensor_sums(gm, self.runtime.id)
+        return gm
 
     def _account(self, direction: str, gm: GraphModule, **found) -> None:
         """Add what compiling one direction of this graph found to the engine's stats, and to its compile record

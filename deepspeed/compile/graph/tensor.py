@@ -7,6 +7,7 @@ whose gradient is summed over the group; layers reading the same input share one
 one all-reduce). A row-parallel layer (``LinearAllreduce``: its block of the input features) has its product summed
 over the group by ``tp_sum`` before its bias is added, as the layer itself does. Each layer's product is found by its
 module in the node's ``nn_module_stack`` (dynamo records which module each op was traced in): one ``matmul`` a layer.
+In the backward graphs each sum is in flight while the weight gradients are computed (:func:`overlap_tensor_sums`).
 """
 from typing import Dict, Optional, Tuple
 
@@ -14,6 +15,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..runtime import ops
+from .nodes import is_reduce, is_reduce_mm
 
 # the AutoTP layers whose collectives the graphs take over, by class name: column- or row-parallel
 LAYER_KINDS = {"LinearLayer": "column", "LinearAllreduce": "row"}
@@ -81,3 +83,56 @@ def layer_kinds(module) -> "dict":
                              f"{type(layer).__name__}")
         kinds[name] = kind
     return kinds
+
+
+def _movable(node: Node) -> bool:
+    """A node the overlap may run later: one that writes nothing, or a ZeRO-1/2 reduce (which hands its gradient to
+    ZeRO's buckets; the reduces keep their order among themselves)."""
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or not any(arg.alias_info is not None and arg.alias_info.is_write
+                                     for arg in schema.arguments) or is_reduce(node) or is_reduce_mm(node)
+
+
+def overlap_tensor_sums(gm: GraphModule, runtime_id: int) -> int:
+    """Each ``tp_sum`` of a backward graph split into ``tp_sum_start``, right after its addend is computed, and
+    ``tp_sum_wait``, right before the sum's first reader, so that the code between them runs while the sum is in
+    flight over the group. That code is what lay between the two already, and the code since the graph's previous
+    sum that the addend does not depend on, moved after the start (the layers' weight gradients: a column-parallel
+    layer's input gradient is the sum's addend, its weight gradient does not enter it). Moving a node that the addend
+    does not depend on past the addend keeps every node after its inputs. Returns how many sums it split."""
+    graph = gm.graph
+    sums = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.TP_SUM]
+    floor: Optional[Node] = None  # the last wait placed: nothing moves across it
+    for summed in sums:
+        addend = summed.args[0]
+        needed = set()  # the addend and everything it is computed from
+        stack = [addend]
+        while stack:
+            node = stack.pop()
+            if node not in needed:
+                needed.add(node)
+                stack.extend(node.all_input_nodes)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        low = order[floor] if floor is not None else -1
+        movable = [n for n in graph.nodes if low < order[n] < order[addend] and n not in needed and _movable(n)]
+        if addend.op == "placeholder":
+            place = next(n for n in graph.nodes if n.op != "placeholder").prev
+        else:
+            place = addend
+        with graph.inserting_after(place):
+            start = graph.call_function(ops.TP_SUM_START, (addend, runtime_id))
+        start.meta["val"] = summed.meta.get("val")
+        last = start
+        for node in movable:
+            last.append(node)
+            last = node
+        first_reader = min(summed.users, key=lambda n: order[n])
+        with graph.inserting_before(first_reader):
+            floor = graph.call_function(ops.TP_SUM_WAIT, (start, runtime_id))
+        summed.replace_all_uses_with(start)
+        graph.erase_node(summed)
+    graph.lint()
+    gm.recompile()
+    return len(sums)

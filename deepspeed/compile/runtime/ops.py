@@ -385,6 +385,47 @@ TP_ENTER = torch.ops.dsc.tp_enter.default
 TP_SUM = torch.ops.dsc.tp_sum.default
 
 
+# A backward graph's ``tp_sum`` in two parts, around code that does not read the sum (``graph/tensor.py``): the sum
+# is in flight over the group while that code runs. Placed after the partition, so neither is ever differentiated.
+@effects.custom_op("dsc::tp_sum_start", mutates_args=())
+def tp_sum_start(x: Tensor, runtime_id: int) -> Tensor:
+    """The sum over the tensor-parallel group of ``x``, started: a new buffer, which holds the sum once
+    ``tp_sum_wait`` returned for it."""
+    return run_tp_sum_start(x, runtime_id)
+
+
+def run_tp_sum_start(x: Tensor, runtime_id: int) -> Tensor:
+    return _tensor_group(runtime_id).start_all_reduce(x)
+
+
+@tp_sum_start.register_fake
+def _tp_sum_start_fake(x: Tensor, runtime_id: int) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@effects.custom_op("dsc::tp_sum_wait", mutates_args=("total",))
+def tp_sum_wait(total: Tensor, runtime_id: int) -> None:
+    """Wait for the sum ``tp_sum_start`` started into ``total``. Declared as writing ``total``: no backend moves a
+    reader of the sum before it."""
+    run_tp_sum_wait(total, runtime_id)
+
+
+def run_tp_sum_wait(total: Tensor, runtime_id: int) -> None:
+    _tensor_group(runtime_id).finish_all_reduce(total)
+
+
+@tp_sum_wait.register_fake
+def _tp_sum_wait_fake(total: Tensor, runtime_id: int) -> None:
+    return None
+
+
+TP_SUM_START = torch.ops.dsc.tp_sum_start.default
+TP_SUM_WAIT = torch.ops.dsc.tp_sum_wait.default
+PLAIN_CALLS.update({TP_SUM_START: run_tp_sum_start, TP_SUM_WAIT: run_tp_sum_wait})
+UNTRACED_CALLS.update({TP_SUM_START: _untraced_twin(TP_SUM_START, run_tp_sum_start, _tp_sum_start_fake),
+                       TP_SUM_WAIT: _untraced_twin(TP_SUM_WAIT, run_tp_sum_wait, _tp_sum_wait_fake)})
+
+
 # DeepSpeed's AutoTP ``LinearLayer`` with ``gather_output`` (a column-parallel head whose every rank needs the whole
 # output), its collectives deferred, calls this op by name (``torch.ops.autotp.gather_from_tp_region``): stock
 # DeepSpeed defines it in its own ``deepspeed.compile``, which this package stands in for, so it is defined here, on

@@ -8,7 +8,7 @@ over the whole world as it does without sequence parallelism ([Note: gradients o
 ``graph/sequence.py`` says why that is exact). Every collective goes through the process group, waits at most
 ``compile.collective_timeout_s`` (else the group's own timeout) and names itself when it times out.
 """
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ class RankGroup:
         self.size = dist.get_world_size(group=group)
         self.comm = comm
         self.label = label
+        self.in_flight: Dict[int, object] = {}  # started all-reduces by their buffer's address (start_all_reduce)
 
     def _wait(self, work, what: Callable[[], str]) -> None:
         self.comm.wait(work, lambda: f"{what()} of {self.label}")
@@ -36,10 +37,29 @@ class RankGroup:
         self.comm.before_start()
 
     def all_reduce(self, x: Tensor) -> Tensor:
+        return self.finish_all_reduce(self.start_all_reduce(x))
+
+    def start_all_reduce(self, x: Tensor) -> Tensor:
+        """The sum of ``x`` over the group, started: a new buffer that holds the sum once :meth:`finish_all_reduce`
+        returned for it. Any number may be in flight; each is finished by its buffer."""
         total = x.detach().clone(memory_format=torch.contiguous_format)
         self._agree()
-        self._wait(dist.all_reduce(total, group=self.group, async_op=True),
-                   lambda: f"an all-reduce of {tuple(x.shape)}")
+        work = dist.all_reduce(total, group=self.group, async_op=True)
+        if total.numel():  # (an empty buffer has no address of its own; there is nothing to wait for)
+            self.in_flight[total.data_ptr()] = work
+        else:
+            work.wait()
+        return total
+
+    def finish_all_reduce(self, total: Tensor) -> Tensor:
+        """Wait for the all-reduce :meth:`start_all_reduce` started into ``total``; returns ``total``."""
+        if not total.numel():
+            return total
+        work = self.in_flight.pop(total.data_ptr(), None)
+        if work is None:
+            raise RuntimeError(f"deepspeed-compile: no all-reduce of {self.label} is in flight into this buffer "
+                               f"{tuple(total.shape)}: a sum was waited for that was never started, or twice")
+        self._wait(work, lambda: f"an all-reduce of {tuple(total.shape)}")
         return total
 
 

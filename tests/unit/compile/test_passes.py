@@ -328,12 +328,14 @@ def test_untraced_twins_have_the_ops_schemas_and_reach_the_same_runtime():
         return ([(a.name, str(a.type), alias(a)) for a in schema.arguments],
                 [(str(r.type), alias(r)) for r in schema.returns])
 
-    assert set(UNTRACED_CALLS) == {GATHER, RELEASE, REDUCE, REDUCE_MM}
+    from deepspeed.compile.runtime.ops import TP_SUM_START, TP_SUM_WAIT
+    assert set(UNTRACED_CALLS) == {GATHER, RELEASE, REDUCE, REDUCE_MM, TP_SUM_START, TP_SUM_WAIT}
     for op, twin in UNTRACED_CALLS.items():
         assert twin._schema.name == op._schema.name.replace("dsc::", "dsc::run_")
         assert signature(twin._schema) == signature(op._schema)
     assert signature(UNTRACED_CALLS[REDUCE]._schema)[0][0][2] is True  # the gradient is declared mutated
     assert signature(UNTRACED_CALLS[RELEASE]._schema)[0][0][2] is True  # so is the released tensor
+    assert signature(UNTRACED_CALLS[TP_SUM_WAIT]._schema)[0][0][2] is True  # and the buffer a sum lands in
 
     full = torch.randn(3, 4)
     runtime = FakeRuntime({7: full})
@@ -351,6 +353,84 @@ def test_untraced_twins_have_the_ops_schemas_and_reach_the_same_runtime():
     assert torch.equal(runtime.calls[3][2], mat1 @ mat2) and token.numel() == 0
     # no compiler drops the fused reduce for its unused token result
     assert all(torch._library.utils.is_impure(op) for op in (REDUCE_MM, UNTRACED_CALLS[REDUCE_MM]))
+
+
+# ----- tensor parallelism's sums in flight -----------------------------------------------------------------------
+class _TwoRankGroup:
+    """Stands in for a tensor-parallel group of two ranks fed the same values: a sum over it is twice the addend.
+    Records the sums in ``events``; a started sum is known by its buffer, as the runtime's group knows it."""
+
+    def __init__(self):
+        self.events = []
+        self.in_flight = set()
+
+    def all_reduce(self, x):
+        self.events.append("sum")
+        return x * 2
+
+    def start_all_reduce(self, x):
+        total = (x * 2).contiguous()
+        self.events.append("start")
+        self.in_flight.add(total.data_ptr())
+        return total
+
+    def finish_all_reduce(self, total):
+        self.events.append("wait")
+        self.in_flight.remove(total.data_ptr())
+        return total
+
+
+def test_tensor_sums_are_in_flight_while_the_weight_gradients_are_computed():
+    """A Llama MLP as AutoTP shards it, with its collectives as ``graph/tensor.py`` places them: the backward's sum
+    of the input gradient (gate's and up's, one sum) is started where its addend is computed and waited for before
+    its first reader, with the three weight gradients (which the addend does not depend on) computed in between. The
+    gradients are bitwise those of the graph with the synchronous sum."""
+    from deepspeed.compile.graph.tensor import overlap_tensor_sums
+    from deepspeed.compile.runtime.ops import TP_SUM, TP_SUM_START, TP_SUM_WAIT
+    runtime = FakeRuntime({})
+    runtime.tensor = group = _TwoRankGroup()
+
+    def mlp(x, norm, w_gate, w_up, w_down):
+        h = torch.ops.dsc.tp_enter(torch.nn.functional.rms_norm(x, (16, ), norm), runtime.id)
+        act = torch.nn.functional.silu(h @ w_gate.t()) * (h @ w_up.t())
+        return (x + torch.ops.dsc.tp_sum(act @ w_down.t(), runtime.id)).pow(2).sum()
+
+    graphs = {}
+
+    def backward_compiler(gm, _):
+        graphs["synchronous"], graphs["overlapped"] = clone(gm), clone(gm)
+        graphs["sums"] = overlap_tensor_sums(graphs["overlapped"], runtime.id)
+        return make_boxed_func(gm)
+
+    inputs = [torch.randn(6, 16), torch.randn(16), torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 8)]
+    inputs = [t.requires_grad_() for t in inputs]
+    aot_function(mlp, lambda gm, _: make_boxed_func(gm), backward_compiler)(*inputs).backward()
+    graph = graphs["overlapped"].graph
+    assert graphs["sums"] == 1 and not [n for n in graph.nodes if n.target is TP_SUM]
+    nodes = list(graph.nodes)
+    start, = [i for i, n in enumerate(nodes) if n.target is TP_SUM_START]
+    wait, = [i for i, n in enumerate(nodes) if n.target is TP_SUM_WAIT]
+    products = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    assert len(products) == 6  # each layer's input gradient and weight gradient
+    assert sum(start < i < wait for i in products) == 3, graph  # the weight gradients, while the sum is in flight
+    assert nodes[start].args[0] is nodes[start - 1]  # started where its addend is computed
+    assert nodes[wait].args[0] is nodes[start] and nodes[start] in nodes[wait + 1].all_input_nodes
+
+    # the same gradients, from the saved values of a second forward
+    saved = {}
+
+    def keep_args(gm, _):
+        def run(args):
+            saved["args"] = list(args)
+            return gm(*args)
+        run._boxed_call = True
+        return run
+    aot_function(mlp, lambda gm, _: make_boxed_func(gm), keep_args)(*inputs).backward()
+    group.events.clear()
+    expected = graphs["synchronous"](*saved["args"])
+    got = graphs["overlapped"](*saved["args"])
+    assert group.events == ["sum", "start", "wait"] and not group.in_flight
+    assert all(torch.equal(a, b) for a, b in zip(expected, got) if a is not None)
 
 
 # ----- the eager backend's callable ---------------------------------------------------------------------------

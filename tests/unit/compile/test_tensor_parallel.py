@@ -79,6 +79,9 @@ def test_autotp_collectives_in_the_graphs_train_as_the_unsplit_model(results, st
         # q, k, v, o, gate, up, down in each of 2 layers, and the head: 15 layers whose collectives the graphs place
         assert report is not None and report["tensor_parallel_size"] == 2, report
         assert report["tensor_parallel_layers"] == 15 and len(r["deferred"]) == 15, (report, r["deferred"])
+        # the input gradients of q/k/v, of gate/up in each layer, and of the head: each sum in flight over the
+        # weight gradients (graph/tensor.py overlap_tensor_sums)
+        assert report["tensor_sums_overlapped"] == 5, report
         assert max_rel_diff(r["losses"], result["unsplit"]) <= LOSS_TOL, (r["losses"], result["unsplit"])
         assert max_rel_diff(r["losses"], r["eager_losses"]) <= LOSS_TOL, (r["losses"], r["eager_losses"])
         diffs = rel_diffs(r["params"], r["eager_params"])
