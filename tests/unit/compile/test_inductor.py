@@ -15,7 +15,6 @@ its update, adds).
 Under autocast(bf16) the bounds of test_pipeline.py apply (twice eager ZeRO-3's own bf16 gradient error against
 fp32; the step-0 loss within 2^-8, the others within 1e-2). SGD, so that parameters carry the gradients' scale.
 """
-import os
 import uuid
 
 import pytest
@@ -42,7 +41,15 @@ def _inductor_pairs():
     out["blocks"] = {**eager, **run_compiled("gpt", STEPS, compile_section={"regions": "blocks"}, backend="inductor",
                                              optimizer="sgd", grad_steps=1,
                                              zero_overrides={"stage3_prefetch_bucket_size": 3000})}
+    # the fp32 case with the collectives on the process group, against the same eager ZeRO-3 run
+    out["gloo"] = {**eager, **run_compiled("gpt", STEPS, compile_section={"host_comm": "gloo"}, backend="inductor",
+                                           optimizer="sgd", grad_steps=1)}
     return out
+
+
+@pytest.fixture(scope="module")
+def inductor_pairs():
+    return run_distributed(_inductor_pairs, timeout_s=540)
 
 
 def check_fp32_close(r):
@@ -50,25 +57,20 @@ def check_fp32_close(r):
     return check_fp32_close(r, FP32_TOL)
 
 
-def _inductor_pair_on(host_comm: str):
-    from compare import run_pair
-    return run_pair("gpt", STEPS, backend="inductor", optimizer="sgd", grad_steps=1,
-                    compile_section={"host_comm": host_comm})
-
-
-def test_inductor_on_the_process_group_matches_eager_zero3():
+def test_inductor_on_the_process_group_matches_eager_zero3(inductor_pairs):
     """The fp32 case of the test below with the collectives on the process group (compile.host_comm "gloo"): the same
-    graphs (inductor's caches serve them), another transport."""
+    graphs, another transport."""
     from compare import assert_ran_compiled, assert_transport
-    for r in run_distributed(_inductor_pair_on, "gloo", timeout_s=400):
+    for out in inductor_pairs:
+        r = out["gloo"]
         assert_ran_compiled(r)
         assert_transport(r, "gloo")
         print("fp32 on gloo:", check_fp32_close(r))
 
 
-def test_inductor_matches_eager_zero3_and_saves_no_parameter():
+def test_inductor_matches_eager_zero3_and_saves_no_parameter(inductor_pairs):
     from compare import assert_one_graph_serves_both_blocks, check_bf16_against_eager, loss_fell
-    for out in run_distributed(_inductor_pairs, timeout_s=540):
+    for out in inductor_pairs:
         print("fp32:", check_fp32_close(out["fp32"]))
         print("autocast:", check_bf16_against_eager(out["autocast"], "autocast"))
         for dtype in ("fp32", "autocast"):
@@ -286,15 +288,17 @@ def _one_process(steps, aot_cache=True, prefetch_bucket=0, stage=3):
             "compile_s": dict(stats.compile_seconds)}
 
 
-def _processes(cases):
+def _processes(cases, cache_tag: str):
     """``_one_process`` for each case in turn, in one launch (dynamo and its counters reset between): the cases of
-    one launch share the process, as a user's consecutive engines would, and only the disk cache with the others."""
+    one launch share the process, as a user's consecutive engines would, and only the disk cache with the others.
+    ``cache_tag`` goes into the key of every graph torch caches (``torch.compiler.config.cache_key_tag``)."""
     from torch._dynamo.utils import counters
     out = []
-    for case in cases:
-        torch._dynamo.reset()
-        counters.clear()
-        out.append(_one_process(*case))
+    with torch.compiler.config.patch(cache_key_tag=cache_tag):
+        for case in cases:
+            torch._dynamo.reset()
+            counters.clear()
+            out.append(_one_process(*case))
     return out
 
 
@@ -306,20 +310,15 @@ ZERO3, ZERO2, NO_CACHE, RUNS = (WARM_STEPS, True, 0, 3), (WARM_STEPS, True, 0, 2
 
 
 @pytest.fixture(scope="module")
-def cache_launches(tmp_path_factory):
-    """Three launches in turn on one fresh inductor cache directory (each a 2-rank run): the first compiles ZeRO-3's
-    and ZeRO-2's graphs, the second is a warm process for both, the third compiles without the cache, then with
-    other ZeRO settings. Each returns its cases' results, per rank."""
-    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))  # the ranks inherit it
-    try:
-        return {name: run_distributed(_processes, cases, timeout_s=450)
-                for name, cases in (("cold", (ZERO3, ZERO2)), ("warm", (ZERO3, ZERO2)), ("other", (NO_CACHE, RUNS)))}
-    finally:
-        if previous is None:
-            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+def cache_launches():
+    """Three launches in turn (each a 2-rank run) whose cached graphs no other run can have cached: their graph
+    cache keys carry a tag of their own. The first compiles ZeRO-3's and ZeRO-2's graphs, the second is a warm
+    process for both, the third compiles without the cache, then with other ZeRO settings. Each returns its cases'
+    results, per rank. The C++ kernels inductor builds for the graphs are cached by their source, not by graph: they
+    come from the suite's inductor cache where other tests built them (a fresh cache directory built them again)."""
+    tag = f"warm-process-test-{uuid.uuid4().hex}"
+    return {name: run_distributed(_processes, cases, tag, timeout_s=450)
+            for name, cases in (("cold", (ZERO3, ZERO2)), ("warm", (ZERO3, ZERO2)), ("other", (NO_CACHE, RUNS)))}
 
 
 def test_warm_process_loads_the_compiled_graphs_and_trains_identically(cache_launches):

@@ -546,14 +546,25 @@ def _hf_trainer(workdir: str, stage: int = 3):
     return out
 
 
-def test_hf_trainer_trains_evaluates_and_saves_as_eager_zero3(tmp_path):
+def _hf_trainer_stages(workdir: str, stages):
+    return {stage: _hf_trainer(os.path.join(workdir, str(stage)), stage) for stage in stages}
+
+
+@pytest.fixture(scope="module")
+def hf_trainer_runs(tmp_path_factory):
+    """The Trainer runs at ZeRO-3, 1 and 2, one launch."""
+    return run_distributed(_hf_trainer_stages, str(tmp_path_factory.mktemp("trainer")), (3, 1, 2), timeout_s=560)
+
+
+def test_hf_trainer_trains_evaluates_and_saves_as_eager_zero3(hf_trainer_runs):
     """Trainer evaluates by calling the module itself, not the engine: that call traced ZeRO-3's empty parameters
     and failed ("'weight' must be 2-D") until the compiled module's call entered the forward context itself
     (``engine_state.direct_call_context``). Losses, evaluation losses and the gradient norms Trainer logs within 1e-5
     relative (fp32, eager backend, as above; measured equal, equal and 1.7e-8). The saved weights within 1e-4
     absolute: after AdamW a round-off gradient difference can move an update by a visible fraction of the learning
     rate (see the module docstring; measured 5e-7)."""
-    for r in run_distributed(_hf_trainer, str(tmp_path), timeout_s=400):
+    for by_stage in hf_trainer_runs:
+        r = by_stage[3]
         assert r["active"]
         assert r["report"]["gathers"] > 0 and r["report"]["eager_gathers"] == 0, r["report"]
         eager, compiled = r[False], r[True]
@@ -568,23 +579,13 @@ def test_hf_trainer_trains_evaluates_and_saves_as_eager_zero3(tmp_path):
         assert worst <= 1e-4, worst
 
 
-def _hf_trainer_stages(workdir: str, stages):
-    return {stage: _hf_trainer(os.path.join(workdir, str(stage)), stage) for stage in stages}
-
-
-@pytest.fixture(scope="module")
-def hf_trainer_zero12(tmp_path_factory):
-    """The Trainer runs at ZeRO-1 and ZeRO-2, one launch."""
-    return run_distributed(_hf_trainer_stages, str(tmp_path_factory.mktemp("trainer")), (1, 2), timeout_s=500)
-
-
 @pytest.mark.parametrize("stage", [1, 2])
-def test_hf_trainer_at_zero_1_and_2_trains_evaluates_and_saves_as_eager_zero(hf_trainer_zero12, stage):
+def test_hf_trainer_at_zero_1_and_2_trains_evaluates_and_saves_as_eager_zero(hf_trainer_runs, stage):
     """The same Trainer run at ZeRO-1 and ZeRO-2 (Hugging Face's "auto" reduce bucket: hidden^2 elements, smaller
     than most of the model's weights, which then take ZeRO-2's own path for wide gradients): every logged loss,
     evaluation loss and gradient norm, and the saved weights, bitwise eager ZeRO's (replicated parameters, fp32, the
     eager backend: the same arithmetic, docs/design.md)."""
-    for by_stage in hf_trainer_zero12:
+    for by_stage in hf_trainer_runs:
         r = by_stage[stage]
         assert r["active"] and r["report"]["zero_stage"] == stage, r["report"]
         assert r["report"]["eager_grads"] == 0 and r["report"]["matmul_grads"] > 0, r["report"]
