@@ -45,10 +45,10 @@ class RankGroup:
         total = x.detach().clone(memory_format=torch.contiguous_format)
         self._agree()
         work = dist.all_reduce(total, group=self.group, async_op=True)
-        if total.numel():  # (an empty buffer has no address of its own; there is nothing to wait for)
+        if total.numel():
             self.in_flight[total.data_ptr()] = work
-        else:
-            work.wait()
+        else:  # an empty buffer has no address of its own to be known by: finished here
+            self._wait(work, lambda: f"an all-reduce of {tuple(total.shape)}")
         return total
 
     def finish_all_reduce(self, total: Tensor) -> Tensor:
