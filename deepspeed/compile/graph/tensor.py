@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..runtime import ops
-from .nodes import is_reduce, is_reduce_mm
+from .nodes import is_reduce, is_reduce_mm, mutated_inputs
 
 # the AutoTP layers whose collectives the graphs take over, by class name: column- or row-parallel
 LAYER_KINDS = {"LinearLayer": "column", "LinearAllreduce": "row"}
@@ -88,11 +88,7 @@ def layer_kinds(module) -> "dict":
 def _movable(node: Node) -> bool:
     """A node the overlap may run later: one that writes nothing, or a ZeRO-1/2 reduce (which hands its gradient to
     ZeRO's buckets; the reduces keep their order among themselves)."""
-    if node.op != "call_function":
-        return False
-    schema = getattr(node.target, "_schema", None)
-    return schema is None or not any(arg.alias_info is not None and arg.alias_info.is_write
-                                     for arg in schema.arguments) or is_reduce(node) or is_reduce_mm(node)
+    return node.op == "call_function" and (not mutated_inputs(node) or is_reduce(node) or is_reduce_mm(node))
 
 
 def overlap_tensor_sums(gm: GraphModule, runtime_id: int) -> int:
