@@ -37,6 +37,7 @@ import tomllib
 import traceback
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 from typing import Any, Callable, List, Optional
 
 import checkout  # noqa: F401  (before anything imports deepspeed)
@@ -80,6 +81,23 @@ PRELOAD = ["checkout", "torch", "torch.distributed", "deepspeed", "deepspeed.com
            "forkserver_ready"]  # last: one-time probes, then the heap frozen
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
+HELPERS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ensure_fork_server() -> None:
+    """Start the fork server (once) with this directory on its path. Python 3.11's server imports its preload list
+    with the interpreter's default path, not the caller's, so the helpers above failed to import there (silently)
+    and every rank imported them again, and ran without ``forkserver_ready``'s frozen heap; ``PYTHONPATH`` reaches
+    it on every Python version. The caller's environment is restored at once: the ranks get it whole."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([HELPERS_DIR] + ([saved] if saved else []))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def _rank_main(module_name: str, fn_name: str, args: tuple, rank: int, world_size: int, workdir: str,
@@ -184,6 +202,7 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout_s: fl
     if timeout_s > MAX_TIMEOUT_S:
         raise ValueError(f"run_distributed(timeout_s={timeout_s}): must be at most {MAX_TIMEOUT_S:.0f} s, under "
                          f"pytest's timeout of {PYTEST_TIMEOUT_S:.0f} s (pyproject.toml) with room to clean up")
+    _ensure_fork_server()
     with tempfile.TemporaryDirectory(prefix="dsc-dist-") as workdir:
         procs = [_CONTEXT.Process(target=_rank_main, daemon=True,
                                   args=(fn.__module__, fn.__name__, args, rank, world_size, workdir,
