@@ -15,7 +15,10 @@ non-finite ones, and whether this process flushes subnormals to zero. ``--thread
 wall time exceeds its main thread's CPU time, who else ran. ``--alone`` then times Adam's arithmetic once more on each
 rank in turn while the other waits: on fresh tensors of the partition's size, and reading the optimizer's own
 tensors (an out-of-place sqrt of its second moment), then on both ranks at once (a quarter of the size): whether the
-process's state or its neighbour makes it slow.
+process's state or its neighbour makes it slow. ``--fresh N`` writes N new tensors of the partition's size, one after
+another, right before each step's ``engine.step()``, and prints how long each took: what memory the OS hands out
+costs at that moment, and, as the last of them was just freed, the step run on pages the process touched a moment
+ago. ``--ops`` prints the last step's ``engine.step()`` by torch operator (``torch.profiler``, CPU time, rank 0).
 """
 import argparse
 import cProfile
@@ -89,6 +92,16 @@ def time_alone(optimizer: torch.optim.Optimizer, rank: int) -> None:
     dist.barrier()
 
 
+def write_fresh(count: int, numel: int) -> list:
+    """Seconds to write each of ``count`` new fp32 tensors of ``numel`` elements, each freed before the next."""
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        torch.empty(numel).fill_(1.0)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def thread_cpu() -> dict:
     """CPU seconds (user + system) so far of each OS thread of this process: (tid, name) -> seconds."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -147,6 +160,9 @@ def main() -> None:
                    "the other waits")
     p.add_argument("--values", action="store_true", help="after the steps, count subnormal and non-finite values in "
                    "what the optimizer reads")
+    p.add_argument("--fresh", type=int, default=0, help="write this many new partition-sized tensors right before "
+                   "each engine.step(), timed")
+    p.add_argument("--ops", action="store_true", help="the last step's engine.step() by torch operator")
     args = p.parse_args()
     row_args = worker.parse_args(["--row", args.row, "--model", args.model, "--size", args.size,
                                   "--zero-settings", args.zero_settings])
@@ -159,6 +175,8 @@ def main() -> None:
     (forward, backward, optimizer_step), engine = worker.build_deepspeed(row_args,
                                                                          make_model(args.model, args.size, 0))
     profile = cProfile.Profile()
+    # the largest tensor ZeRO-3's optimizer steps on: its flat fp32 partition
+    partition = max(t.numel() for t in engine.optimizer.fp32_partitioned_groups_flat)
     for step in range(args.steps):
         t0 = time.perf_counter()
         loss = forward(make_batch(args.size, step, rank))
@@ -173,9 +191,16 @@ def main() -> None:
             storages = {g.untyped_storage().data_ptr() for g in grads}
             print(f"before the last step: {len(grads)} gradient partitions in {len(storages)} storages, dtypes "
                   f"{sorted({str(g.dtype) for g in grads})}, all contiguous {all(g.is_contiguous() for g in grads)}")
+        fresh = write_fresh(args.fresh, partition)
         threads = thread_cpu() if last and args.threads else {}
         before, cpu = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
-        optimizer_step()
+        if last and args.ops:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ops:
+                optimizer_step()
+            if rank == 0:
+                print(ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.lines or 15))
+        else:
+            optimizer_step()
         after, cpu = resource.getrusage(resource.RUSAGE_SELF), time.process_time() - cpu
         if threads:
             spent = {key: seconds - threads.get(key, 0.0) for key, seconds in thread_cpu().items()}
@@ -184,9 +209,14 @@ def main() -> None:
                 if seconds > 0), flush=True)
         if last:
             profile.disable()
+        if fresh:
+            print(f"rank {rank}, step {step}: {len(fresh)} new tensors of {partition} elements written before "
+                  f"engine.step(): {', '.join(f'{t:.2f}' for t in fresh)} s", flush=True)
         if rank == 0:
-            print(f"step {step}: forward {t1 - t0:.2f} s, backward {t2 - t1:.2f} s, optimizer "
-                  f"{time.perf_counter() - t2:.2f} s (CPU {cpu:.2f} s, page faults {after.ru_minflt - before.ru_minflt}"
+            with open("/proc/self/maps") as f:
+                mappings = sum(1 for _ in f)
+            print(f"step {step}: {mappings} mappings; forward {t1 - t0:.2f} s, backward {t2 - t1:.2f} s, optimizer "
+                  f"{time.perf_counter() - t2 - sum(fresh):.2f} s (CPU {cpu:.2f} s, page faults {after.ru_minflt - before.ru_minflt}"
                   f" minor {after.ru_majflt - before.ru_majflt} major, context switches "
                   f"{after.ru_nvcsw - before.ru_nvcsw} voluntary {after.ru_nivcsw - before.ru_nivcsw} involuntary)",
                   flush=True)
