@@ -215,8 +215,9 @@ def main() -> None:
         if rank == 0:
             with open("/proc/self/maps") as f:
                 mappings = sum(1 for _ in f)
+            optimizer_s = time.perf_counter() - t2 - sum(fresh)
             print(f"step {step}: {mappings} mappings; forward {t1 - t0:.2f} s, backward {t2 - t1:.2f} s, optimizer "
-                  f"{time.perf_counter() - t2 - sum(fresh):.2f} s (CPU {cpu:.2f} s, page faults {after.ru_minflt - before.ru_minflt}"
+                  f"{optimizer_s:.2f} s (CPU {cpu:.2f} s, page faults {after.ru_minflt - before.ru_minflt}"
                   f" minor {after.ru_majflt - before.ru_majflt} major, context switches "
                   f"{after.ru_nvcsw - before.ru_nvcsw} voluntary {after.ru_nivcsw - before.ru_nivcsw} involuntary)",
                   flush=True)

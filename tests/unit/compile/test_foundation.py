@@ -421,3 +421,18 @@ def test_harness_timeouts_fit_under_pytest_timeout():
     assert distributed.MAX_TIMEOUT_S < distributed.PYTEST_TIMEOUT_S
     with pytest.raises(ValueError, match="timeout_s"):
         run_distributed(_hang_in_collective, timeout_s=distributed.PYTEST_TIMEOUT_S)
+
+
+def _what_the_fork_server_gave():
+    import gc
+    import sys
+    import distributed
+    return {"missing": [m for m in distributed.PRELOAD if m not in sys.modules], "frozen": gc.get_freeze_count()}
+
+
+def test_ranks_start_with_the_fork_servers_preloaded_modules_and_frozen_heap():
+    """Every module of the preload list, the test helpers included, is already imported when a rank starts, and the
+    server's heap is frozen (``forkserver_ready``): a helper the server cannot import is skipped without a word, and
+    each rank then pays for it again (on Python 3.11 the server did not see this directory until it was given it)."""
+    for r in run_distributed(_what_the_fork_server_gave):
+        assert r["missing"] == [] and r["frozen"] > 100_000, r
