@@ -18,7 +18,9 @@ tensors (an out-of-place sqrt of its second moment), then on both ranks at once 
 process's state or its neighbour makes it slow. ``--fresh N`` writes N new tensors of the partition's size, one after
 another, right before each step's ``engine.step()``, and prints how long each took: what memory the OS hands out
 costs at that moment, and, as the last of them was just freed, the step run on pages the process touched a moment
-ago. ``--ops`` prints the last step's ``engine.step()`` by torch operator (``torch.profiler``, CPU time, rank 0).
+ago. ``--sub-group-size N`` sets ZeRO-3's ``sub_group_size`` (DeepSpeed's default 1e9 puts a model under 1e9
+elements in one flat partition, which Adam steps on in one piece). ``--ops`` prints the last step's ``engine.step()``
+by torch operator (``torch.profiler``, CPU time, rank 0).
 """
 import argparse
 import cProfile
@@ -163,7 +165,19 @@ def main() -> None:
     p.add_argument("--fresh", type=int, default=0, help="write this many new partition-sized tensors right before "
                    "each engine.step(), timed")
     p.add_argument("--ops", action="store_true", help="the last step's engine.step() by torch operator")
+    p.add_argument("--sub-group-size", type=int, default=0, help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
     args = p.parse_args()
+    if args.sub_group_size < 0:
+        p.error(f"--sub-group-size: a number of elements, got {args.sub_group_size}")
+    if args.sub_group_size:
+        row_config = worker.ds_config
+
+        def with_sub_group_size(*config_args, **config_kwargs):
+            config = row_config(*config_args, **config_kwargs)
+            config["zero_optimization"]["sub_group_size"] = args.sub_group_size
+            return config
+
+        worker.ds_config = with_sub_group_size
     row_args = worker.parse_args(["--row", args.row, "--model", args.model, "--size", args.size,
                                   "--zero-settings", args.zero_settings])
     if args.row.startswith("fsdp2") or args.row == "local":
