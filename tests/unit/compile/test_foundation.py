@@ -433,6 +433,7 @@ def _what_the_fork_server_gave():
 def test_ranks_start_with_the_fork_servers_preloaded_modules_and_frozen_heap():
     """Every module of the preload list, the test helpers included, is already imported when a rank starts, and the
     server's heap is frozen (``forkserver_ready``): a helper the server cannot import is skipped without a word, and
-    each rank then pays for it again (on Python 3.11 the server did not see this directory until it was given it)."""
+    each rank then pays for it again (Python 3.11's server ignores the caller's path: distributed.py hands it this
+    directory through ``PYTHONPATH``)."""
     for r in run_distributed(_what_the_fork_server_gave):
         assert r["missing"] == [] and r["frozen"] > 100_000, r
