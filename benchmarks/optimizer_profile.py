@@ -167,19 +167,8 @@ def main() -> None:
     p.add_argument("--ops", action="store_true", help="the last step's engine.step() by torch operator")
     p.add_argument("--sub-group-size", type=int, default=0, help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
     args = p.parse_args()
-    if args.sub_group_size < 0:
-        p.error(f"--sub-group-size: a number of elements, got {args.sub_group_size}")
-    if args.sub_group_size:
-        row_config = worker.ds_config
-
-        def with_sub_group_size(*config_args, **config_kwargs):
-            config = row_config(*config_args, **config_kwargs)
-            config["zero_optimization"]["sub_group_size"] = args.sub_group_size
-            return config
-
-        worker.ds_config = with_sub_group_size
     row_args = worker.parse_args(["--row", args.row, "--model", args.model, "--size", args.size,
-                                  "--zero-settings", args.zero_settings])
+                                  "--zero-settings", args.zero_settings, "--sub-group-size", str(args.sub_group_size)])
     if args.row.startswith("fsdp2") or args.row == "local":
         p.error("--row: a DeepSpeed row (the optimizer step profiled is engine.step())")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -123,6 +123,10 @@ def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[S
     config = ds_config(args.dtype, parameter_count(model), size_of(args.size).batch, section, args.zero_settings,
                        stage,
                        hidden=size_of(args.size).dim)
+    if args.sub_group_size < 0:
+        raise ValueError(f"--sub-group-size: a number of elements, got {args.sub_group_size}")
+    if args.sub_group_size:
+        config["zero_optimization"]["sub_group_size"] = args.sub_group_size
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     if args.row not in EAGER_ROWS:
         engine.compile(backend=args.backend)
@@ -340,6 +344,9 @@ def add_setting_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp2-autocast", choices=("policy", "torch"), default="policy",
                    help="FSDP2 rows under autocast: FSDP2's mixed-precision policy (bf16 parameters and compute, the "
                         "default) or torch.autocast over fp32 parameters, the numerics of DeepSpeed's torch_autocast")
+    p.add_argument("--sub-group-size", type=int, default=0,
+                   help="ZeRO-3's sub_group_size for the DeepSpeed rows (elements an optimizer step takes at once; "
+                        "0: as --zero-settings has it, DeepSpeed's 1e9 unless hf-auto)")
     p.add_argument("--activation-memory-budget", type=float, default=1.0,
                    help="torch's partitioner budget (torch._functorch.config.activation_memory_budget) for every "
                         "compiled row alike; below 1.0 it recomputes more to save fewer activations")
@@ -347,6 +354,7 @@ def add_setting_args(p: argparse.ArgumentParser) -> None:
 
 def setting_argv(args: argparse.Namespace) -> List[str]:
     return ["--zero-settings", args.zero_settings, "--fsdp2-autocast", args.fsdp2_autocast,
+            "--sub-group-size", str(args.sub_group_size),
             "--activation-memory-budget", str(args.activation_memory_budget)]
 
 
