@@ -162,10 +162,10 @@ def main() -> None:
                    "the other waits")
     p.add_argument("--values", action="store_true", help="after the steps, count subnormal and non-finite values in "
                    "what the optimizer reads")
-    p.add_argument("--fresh", type=int, default=0, help="write this many new partition-sized tensors right before "
+    p.add_argument("--fresh", type=worker.elements, default=0, help="write this many new partition-sized tensors right before "
                    "each engine.step(), timed")
     p.add_argument("--ops", action="store_true", help="the last step's engine.step() by torch operator")
-    p.add_argument("--sub-group-size", type=int, default=0, help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
+    p.add_argument("--sub-group-size", type=worker.elements, default=0, help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
     args = p.parse_args()
     row_args = worker.parse_args(["--row", args.row, "--model", args.model, "--size", args.size,
                                   "--zero-settings", args.zero_settings, "--sub-group-size", str(args.sub_group_size)])
@@ -178,8 +178,8 @@ def main() -> None:
     (forward, backward, optimizer_step), engine = worker.build_deepspeed(row_args,
                                                                          make_model(args.model, args.size, 0))
     profile = cProfile.Profile()
-    # the largest tensor ZeRO-3's optimizer steps on: its flat fp32 partition
-    partition = max(t.numel() for t in engine.optimizer.fp32_partitioned_groups_flat)
+    # the largest tensor ZeRO-3's optimizer steps on: its flat fp32 partition (ZeRO-1/2 rows have none: no --fresh)
+    partition = max(t.numel() for t in engine.optimizer.fp32_partitioned_groups_flat) if args.fresh else 0
     for step in range(args.steps):
         t0 = time.perf_counter()
         loss = forward(make_batch(args.size, step, rank))

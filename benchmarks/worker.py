@@ -123,8 +123,6 @@ def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[S
     config = ds_config(args.dtype, parameter_count(model), size_of(args.size).batch, section, args.zero_settings,
                        stage,
                        hidden=size_of(args.size).dim)
-    if args.sub_group_size < 0:
-        raise ValueError(f"--sub-group-size: a number of elements, got {args.sub_group_size}")
     if args.sub_group_size:
         config["zero_optimization"]["sub_group_size"] = args.sub_group_size
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
@@ -334,6 +332,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+def elements(text: str) -> int:
+    """A count of elements for argparse: a whole number, 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a number of elements, 0 or more, got {value}")
+    return value
+
+
 def add_setting_args(p: argparse.ArgumentParser) -> None:
     """The settings ``run.py`` takes and hands to every worker as they are (``setting_argv``)."""
     p.add_argument("--zero-settings", choices=("tuned", "defaults", "offload", "hf-auto"), default="tuned",
@@ -344,7 +350,7 @@ def add_setting_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp2-autocast", choices=("policy", "torch"), default="policy",
                    help="FSDP2 rows under autocast: FSDP2's mixed-precision policy (bf16 parameters and compute, the "
                         "default) or torch.autocast over fp32 parameters, the numerics of DeepSpeed's torch_autocast")
-    p.add_argument("--sub-group-size", type=int, default=0,
+    p.add_argument("--sub-group-size", type=elements, default=0,
                    help="ZeRO-3's sub_group_size for the DeepSpeed rows (elements an optimizer step takes at once; "
                         "0: as --zero-settings has it, DeepSpeed's 1e9 unless hf-auto)")
     p.add_argument("--activation-memory-budget", type=float, default=1.0,
