@@ -162,10 +162,11 @@ def main() -> None:
                    "the other waits")
     p.add_argument("--values", action="store_true", help="after the steps, count subnormal and non-finite values in "
                    "what the optimizer reads")
-    p.add_argument("--fresh", type=worker.elements, default=0, help="write this many new partition-sized tensors right before "
-                   "each engine.step(), timed")
+    p.add_argument("--fresh", type=worker.elements, default=0,
+                   help="write this many new partition-sized tensors right before each engine.step(), timed")
     p.add_argument("--ops", action="store_true", help="the last step's engine.step() by torch operator")
-    p.add_argument("--sub-group-size", type=worker.elements, default=0, help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
+    p.add_argument("--sub-group-size", type=worker.elements, default=0,
+                   help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
     args = p.parse_args()
     row_args = worker.parse_args(["--row", args.row, "--model", args.model, "--size", args.size,
                                   "--zero-settings", args.zero_settings, "--sub-group-size", str(args.sub_group_size)])
