@@ -136,6 +136,11 @@ class Channel:
         self.progress()  # published now where the protocol allows it without waiting, else by a later wait
         return work
 
+    @property
+    def started(self) -> int:
+        """Collectives started on this channel so far."""
+        return self._next
+
     def name(self, work: Work) -> str:
         return f"the {_describe(work.nbytes, *work.what)} (collective #{work.seq} of the shared-memory " \
                f"{self.label} channel, compile.host_comm)"

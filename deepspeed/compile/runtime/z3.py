@@ -67,13 +67,14 @@ def _open_transport(engine, shards: ShardedParams, mode: str, directory: str, na
     """The runtime's collectives through shared memory where every rank is on this host (compile.host_comm), in
     slots sized by need: a gather slot holds this rank's share of a run's chunk (``GatherRuns._start_chunks``; a
     wider parameter takes several), a reduce slot a chunk of a bucket of every rank's rows, neither more than the
-    model has."""
+    model has: the sharded parameters for gathers, every trained parameter for reductions (a persistent parameter's
+    gradient is reduced like any other)."""
     group = engine.optimizer.dp_process_group
     world_size = torch.distributed.get_world_size(group=group)
     shard_numel, itemsize = shards.shard_numel(), shards.shard_itemsize(default=4)
     return Transport.open(mode, group, torch.device(engine.device),
                           gather_slot_bytes=max(64, min(GATHER_CHUNK_NUMEL // world_size, shard_numel) * itemsize),
-                          reduce_slot_bytes=min(REDUCE_SLOT_BYTES, shard_numel * world_size * itemsize),
+                          reduce_slot_bytes=min(REDUCE_SLOT_BYTES, shards.trained_partition_bytes() * world_size),
                           directory=directory, native=load_native(native_op))
 
 

@@ -37,6 +37,12 @@ class ShardedParams:
     def shard_numel(self) -> int:
         return sum(p.ds_tensor.numel() for p in self.sharded.values())
 
+    def trained_partition_bytes(self) -> int:
+        """Bytes of this rank's partitions of every trained parameter, sharded or persistent (the gradients the
+        runtime reduces), counting each element as at least fp32 (a gradient may be reduced in fp32)."""
+        return sum(p.ds_tensor.numel() * max(4, p.ds_tensor.element_size()) for p in self.params.values()
+                   if p.requires_grad)
+
     def shard_itemsize(self, default: int = 0) -> int:
         """The widest sharded parameter dtype's size (``default`` without sharded parameters)."""
         return max((p.ds_tensor.element_size() for p in self.sharded.values()), default=default)
