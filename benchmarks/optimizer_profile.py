@@ -20,10 +20,13 @@ another, right before each step's ``engine.step()``, and prints how long each to
 costs at that moment, and, as the last of them was just freed, the step run on pages the process touched a moment
 ago. ``--sub-group-size N`` sets ZeRO-3's ``sub_group_size`` (DeepSpeed's default 1e9 puts a model under 1e9
 elements in one flat partition, which Adam steps on in one piece). ``--ops`` prints the last step's ``engine.step()``
-by torch operator (``torch.profiler``, CPU time, rank 0).
+by torch operator (``torch.profiler``, CPU time, rank 0). ``--malloc`` prints, at each phase's end, rank 0's
+resident memory beside what glibc's allocator holds (``mallinfo2``: its heaps, the free bytes in them, its mapped
+blocks): how much of the process's RSS is memory the allocator keeps after it was freed.
 """
 import argparse
 import cProfile
+import ctypes
 import io
 import os
 import pstats
@@ -104,6 +107,25 @@ def write_fresh(count: int, numel: int) -> list:
     return times
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_line() -> str:
+    """This process's resident and peak resident memory, and glibc's heaps, their free bytes and its mapped blocks
+    (MiB); what the heaps hold free stays resident until the allocator reuses or trims it."""
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    rss, hwm = (int(status[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM"))
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _Mallinfo2
+    info = libc.mallinfo2()
+    mib = 1 << 20
+    return (f"RSS {rss:.0f} MiB (peak {hwm:.0f}); glibc heaps {info.arena / mib:.0f} MiB, free in them "
+            f"{info.fordblks / mib:.0f} MiB, mapped blocks {info.hblkhd / mib:.0f} MiB in {info.hblks}")
+
+
 def thread_cpu() -> dict:
     """CPU seconds (user + system) so far of each OS thread of this process: (tid, name) -> seconds."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -165,6 +187,7 @@ def main() -> None:
     p.add_argument("--fresh", type=worker.elements, default=0,
                    help="write this many new partition-sized tensors right before each engine.step(), timed")
     p.add_argument("--ops", action="store_true", help="the last step's engine.step() by torch operator")
+    p.add_argument("--malloc", action="store_true", help="rank 0's RSS and glibc's heaps at each phase's end")
     p.add_argument("--sub-group-size", type=worker.elements, default=0,
                    help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
     args = p.parse_args()
@@ -185,8 +208,12 @@ def main() -> None:
         t0 = time.perf_counter()
         loss = forward(make_batch(args.size, step, rank))
         t1 = time.perf_counter()
+        if args.malloc and rank == 0:
+            print(f"step {step}, after forward: {malloc_line()}", flush=True)
         backward(loss)
         t2 = time.perf_counter()
+        if args.malloc and rank == 0:
+            print(f"step {step}, after backward: {malloc_line()}", flush=True)
         last = step == args.steps - 1
         if last:
             profile.enable()
@@ -216,6 +243,8 @@ def main() -> None:
         if fresh:
             print(f"rank {rank}, step {step}: {len(fresh)} new tensors of {partition} elements written before "
                   f"engine.step(): {', '.join(f'{t:.2f}' for t in fresh)} s", flush=True)
+        if args.malloc and rank == 0:
+            print(f"step {step}, after the optimizer: {malloc_line()}", flush=True)
         if rank == 0:
             with open("/proc/self/maps") as f:
                 mappings = sum(1 for _ in f)

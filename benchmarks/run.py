@@ -131,7 +131,8 @@ def _speedup(r: Dict[str, Any], group: List[Dict[str, Any]]) -> Optional[float]:
 # parameters gathered for backward buys (ours-mincut over ours-regather), and the compute floor against the eager
 # baselines: (row, baseline)
 BASELINES = (("ours-mincut", "zero3"), ("ours-mincut", "fsdp2"), ("ours-mincut", "ours-default"),
-             ("ours-regather", "zero3"), ("ours-mincut", "ours-regather"), ("ours-zero1", "zero1"),
+             ("ours-regather", "zero3"), ("ours-mincut", "ours-regather"), ("ours-mincut", "ours-mincut-heap"),
+             ("ours-zero1", "zero1"),
              ("ours-zero2", "zero2"), ("ours-zero2", "zero2+compile"), ("ours-zero2-default", "zero2"),
              ("ours-zero2-default", "ours-zero2"), ("local", "zero3"), ("local", "zero2"))
 

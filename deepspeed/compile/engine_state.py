@@ -74,6 +74,11 @@ def check_compile_request(compile_config: CompileConfig, backend: str, schedule)
                          "'compile' section; pass schedule=None")
     if backend not in ("eager", "inductor"):
         raise ValueError(f"engine.compile(backend={backend!r}): DeepCompile supports 'eager' and 'inductor'")
+    if compile_config.release_host_memory is True:
+        from .runtime.host_memory import malloc_trim
+        if malloc_trim() is None:
+            raise ValueError("compile.release_host_memory: true needs the C library's malloc_trim (glibc), which this "
+                             "process's C library does not have; set it to \"auto\" or false")
 
 
 def inductor_settings(backend: str, compile_kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -182,7 +187,9 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
     from .driver.compiler import CompileStats, make_backend
     from .driver.stages import graphs_of
     from .runtime.agreement import FAILED, StepAbandoned
+    from .runtime.host_memory import HostHeap
     state = DeepCompileState(runtime, CompileStats(), stage)
+    runtime.host_heap = HostHeap.for_setting(compile_config.release_host_memory, engine.device)
     if compile_config.sequence_parallel:
         _start_sequence_group(engine, runtime, compile_config)
     runtime.peers.agree_on_failures = compile_config.agree_on_failures

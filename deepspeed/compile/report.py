@@ -57,6 +57,10 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         # attentions whose constant causal mask the graphs replaced by is_causal=True (graph/masks.py)
         "causal_masks": state.stats.causal_masks,
         "run_time_masks": state.stats.run_time_masks,
+        # compile.release_host_memory: whether it is on, how often the allocator's free memory was handed back to the
+        # OS before an optimizer step, the resident bytes that took off (summed) and the seconds it cost
+        "host_memory_release": runtime.host_heap.enabled,
+        **runtime.host_heap.report_items(),
     }
     report.update(runtime.report_items())  # what the stage's parts did (ZeRO-3's gathers, ZeRO-1/2's hand-offs)
     return report

@@ -41,6 +41,11 @@ def deepcompile_backward_prologue(is_gradient_accumulation_boundary: bool) -> No
 
 
 def deepcompile_backward_epilogue() -> None:
-    """Called by the engine after backward: flush pending gradient reductions of each runtime in flight."""
+    """Called by the engine after backward: flush pending gradient reductions of each runtime in flight; where the
+    backward ended a gradient-accumulation cycle, hand the host memory it freed back to the OS before the optimizer
+    step (``runtime/host_memory.py``)."""
     for runtime in registry.live():
+        ended = runtime.backward_owed
         runtime.backward_epilogue()
+        if ended and runtime.engine.is_gradient_accumulation_boundary():
+            runtime.host_heap.release()

@@ -22,6 +22,7 @@ from ..adapters import TensorParallelDeferral
 from . import registry
 from .agreement import Peers
 from .comm import CommLog, Counters
+from .host_memory import HostHeap
 from .transport import Transport
 
 
@@ -52,6 +53,7 @@ class StageRuntime:
         self.sequence = None  # the sequence group where "passes" lists "autosp" (runtime/sequence.py), else None
         self.tensor = None  # AutoTP's group where "passes" lists "autotp" (runtime/tensor.py), else None
         self.tensor_layers: List = []  # the AutoTP layers whose collectives the graphs place (adapters)
+        self.host_heap = HostHeap()  # compile.release_host_memory: set by the engine's state, off until then
         self.id = registry.register(self)
 
     # ----- what the engine and the report read ------------------------------------------------------------
@@ -61,6 +63,7 @@ class StageRuntime:
 
     def reset_counters(self) -> None:
         self.comm.reset_counters()
+        self.host_heap.reset_counters()
 
     @property
     def forward_running(self) -> bool:

@@ -139,7 +139,10 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
                 "gathered_params": sorted({names[key] for order in state.stats.collective_orders
                                            for op, key in order if op == "gather"}),
                 # coalesced runs the last step gathered (ZeRO-3, regions='blocks': the runtime's record of them)
-                "runs_per_step": len(state.runtime.runs.last_step) if stage == 3 else 0})
+                "runs_per_step": len(state.runtime.runs.last_step) if stage == 3 else 0,
+                # compile.release_host_memory: on (its default, on CPU), and how many times it ran
+                "host_memory_release": state.runtime.host_heap.enabled,
+                "host_memory_releases": state.runtime.host_heap.releases})
     compiled.destroy()
     return out
 

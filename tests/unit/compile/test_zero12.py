@@ -46,7 +46,7 @@ def _summary(r, stage):
             "params": unequal(r["params"], r["eager_params"]), "master": unequal(r["master"], r["eager_master"]),
             "active": r["active"], "counters": r["counters"], "graphs": r["graphs"], "traced": r["traced_params"],
             "grad_buffers": (r["grad_buffers"], r["eager_grad_buffers"]), "host_comm": r["host_comm"],
-            "shm_unavailable": r["shm_unavailable"]}
+            "shm_unavailable": r["shm_unavailable"], "host_memory_releases": r["host_memory_releases"]}
 
 
 def _forward_with_break(model):
@@ -194,6 +194,8 @@ def test_fp32_matches_eager_zero_bitwise(stage_results, case):
         assert all(not names for names in r["grads"]), r["grads"]
         assert r["params"] == [] and r["master"] == [], (r["params"], r["master"])
         assert r["counters"]["reduces"] > 0 and r["counters"]["reduce_collectives"] > 0, r["counters"]
+        # compile.release_host_memory (on by default on CPU): once before each optimizer step, not per micro-step
+        assert r["host_memory_releases"] == STEPS, (case, r["host_memory_releases"])
         # ZeRO-2 with contiguous buckets: the GPT's gradients (29088 elements) fill a 20000-element bucket in each
         # backward, the accumulation case's MLP several 1000-element ones, and each full bucket's collective stayed in
         # flight while backward went on (z12_reduce.py); ZeRO-1 reduces at the boundary, and buckets of references
