@@ -115,7 +115,7 @@ class CompileConfig(DeepSpeedConfigModel):
     release_host_memory: Union[bool, Literal["auto"]] = "auto"
     """At the end of each backward that ends a gradient-accumulation cycle, before the optimizer step: hand the memory
     the C library's allocator holds free (the step's gathered parameters and activations, freed in backward) back to
-    the OS (glibc's ``malloc_trim``), so that the optimizer step's temporaries reuse it instead of adding to the
+    the OS (glibc's ``malloc_trim``), so that the optimizer step's temporaries take its place instead of adding to the
     process's resident memory (``runtime/host_memory.py``). ``"auto"`` (the default): where the parameters live on the
     CPU. True: wherever they live (the host memory of CPU offload). False: never. True where the C library has no
     ``malloc_trim`` (not glibc) is refused at ``engine.compile()``; ``"auto"`` is then off."""

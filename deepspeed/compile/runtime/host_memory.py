@@ -56,7 +56,7 @@ class HostHeap:
     def for_setting(cls, setting, device) -> "HostHeap":
         """``compile.release_host_memory``: ``"auto"`` releases where the parameters live on the CPU (the step's
         gathered memory is the host's), True wherever they live, False never. Where the C library has no
-        ``malloc_trim`` it is off (the config refuses True there, ``config.py``)."""
+        ``malloc_trim`` it is off (``engine.compile()`` refuses True there: ``engine_state.check_compile_request``)."""
         trim = malloc_trim()
         on = setting is True or (setting == "auto" and torch.device(device).type == "cpu")
         return cls(trim if on else None)
