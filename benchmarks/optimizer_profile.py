@@ -176,6 +176,8 @@ def main() -> None:
     p.add_argument("--model", default="gpt2")
     p.add_argument("--size", type=size_arg, default="124m")
     p.add_argument("--zero-settings", default="defaults")
+    p.add_argument("--dtype", default="fp32", help="as worker.py's --dtype (fp32, bf16, autocast)")
+    p.add_argument("--backend", default="eager", help="as worker.py's --backend, for the DeepCompile rows")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lines", type=int, default=30)
     p.add_argument("--threads", action="store_true", help="the CPU time of each thread of the process over the last "
@@ -191,7 +193,8 @@ def main() -> None:
     p.add_argument("--sub-group-size", type=worker.elements, default=0,
                    help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
     args = p.parse_args()
-    row_args = worker.parse_args(["--row", args.row, "--model", args.model, "--size", args.size,
+    row_args = worker.parse_args(["--row", args.row, "--model", args.model, "--size", args.size, "--dtype", args.dtype,
+                                  "--backend", args.backend,
                                   "--zero-settings", args.zero_settings, "--sub-group-size", str(args.sub_group_size)])
     if args.row.startswith("fsdp2") or args.row == "local":
         p.error("--row: a DeepSpeed row (the optimizer step profiled is engine.step())")
