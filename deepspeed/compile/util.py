@@ -45,7 +45,4 @@ def deepcompile_backward_epilogue() -> None:
     backward ended a gradient-accumulation cycle, hand the host memory it freed back to the OS before the optimizer
     step (``runtime/host_memory.py``)."""
     for runtime in registry.live():
-        ended = runtime.backward_owed
-        runtime.backward_epilogue()
-        if ended and runtime.engine.is_gradient_accumulation_boundary():
-            runtime.host_heap.release()
+        runtime.end_backward()

@@ -108,6 +108,15 @@ class StageRuntime:
     def backward_prologue(self, is_boundary: bool) -> None:
         return None  # accumulation is the optimizer's (micro_step_id); nothing to prepare per backward
 
+    def end_backward(self) -> None:
+        """The engine's backward ended: the stage's ``backward_epilogue``; then, where it ended the step's gradient
+        bookkeeping at an accumulation boundary, the host memory the step freed goes back to the OS before the
+        optimizer step (``host_memory.py``)."""
+        ended = self.backward_owed
+        self.backward_epilogue()
+        if ended and self.engine.is_gradient_accumulation_boundary():
+            self.host_heap.release()
+
     def detach(self) -> None:
         """The engine returns to eager ZeRO: what every stage put on the engine comes off (a subclass adds its
         own)."""
