@@ -247,9 +247,24 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         if warning is not None:
             logger.warning(f"deepspeed-compile: {warning}")
         compile_kwargs = compile_kwargs or {}
+        outside = _outside_blocks_backend(runtime, state.stats, compile_config, backend, on_failure, compile_graph)
         regions.install(engine.module, compile_graph, graphs_of(runtime).leaf_regions,
-                        {key: compile_kwargs[key] for key in ("fullgraph", "dynamic") if key in compile_kwargs})
+                        {key: compile_kwargs[key] for key in ("fullgraph", "dynamic") if key in compile_kwargs},
+                        outside)
+        return outside
     return compile_graph
+
+
+def _outside_blocks_backend(runtime, stats, compile_config: CompileConfig, backend: str, on_failure,
+                            compile_graph: Callable) -> Callable:
+    """With ``regions: "blocks"``, what compiles the graphs outside the blocks: the model's own frame around them
+    and the leaf regions (``driver/regions.py``). Under inductor, the eager backend: each of those graphs holds one
+    embedding, norm, head or loss, where inductor's code generation and C++ builds (a forward and a backward a graph)
+    cost more than its fusion saves, and they would make up most of the first step (docs/config.md, ``regions``)."""
+    if backend != "inductor":
+        return compile_graph
+    from .driver.compiler import make_backend
+    return make_backend(runtime, stats, compile_config, "eager", on_failure)
 
 
 def _start_sequence_group(engine, runtime, compile_config: CompileConfig) -> None:

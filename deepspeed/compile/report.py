@@ -27,6 +27,7 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         # of those, loaded from torch's AOTAutograd cache (inductor): our compilers did not run for them, so
         # compile_seconds and pass_seconds leave them out; the saved bytes and planned peak come from their records
         "graphs_loaded": state.stats.graphs_loaded,
+        "graphs_by_backend": dict(state.stats.graphs_by_backend),
         "saved_param_bytes": s.param_bytes,
         "saved_other_bytes": s.other_bytes,
         "saved_param_tensors": s.param_tensors,

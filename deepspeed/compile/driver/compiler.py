@@ -49,6 +49,9 @@ class CompileStats:
     saved: SavedBytes = field(default_factory=SavedBytes)  # saved-for-backward bytes of the forward graphs
     graphs_compiled: int = 0  # forward graphs, compiled here or loaded
     graphs_loaded: int = 0  # of those, loaded from torch's AOTAutograd cache: our compilers did not run for them
+    # forward graphs by the backend that compiled them (regions="blocks" under inductor: the blocks' inductor's, the
+    # graphs outside them the eager backend's)
+    graphs_by_backend: Dict[str, int] = field(default_factory=dict)
     # per compiled graph, in compile order: the (op, ds_id) sequence of its collectives (same on every rank)
     collective_orders: List[List[Tuple[str, int]]] = field(default_factory=list)
     pass_times: Dict[str, float] = field(default_factory=dict)  # seconds per pipeline pass
@@ -74,7 +77,11 @@ class CompileStats:
         if "saved" in part:
             saved = part["saved"]
             self.saved += SavedBytes(**saved) if isinstance(saved, dict) else saved
-        self.graphs_compiled += part.get("graphs", 0)
+        graphs = part.get("graphs", 0)
+        self.graphs_compiled += graphs
+        if graphs:
+            backend = part.get("backend", "inductor")  # a record written before the key was: only inductor caches
+            self.graphs_by_backend[backend] = self.graphs_by_backend.get(backend, 0) + graphs
         self.kept_gathered_bytes += part.get("kept", 0)
 
 
@@ -160,7 +167,7 @@ class GraphCompiler:
         self.escaped = rewrite.escaped_saved_names(gm)
         inference = self.num_fwd_outputs is None  # no partition ran: nothing is saved for backward
         saved = {} if inference else {"saved": saved_for_backward(gm, self.num_fwd_outputs)}
-        self._account("forward", gm, graphs=1, kept=self.kept, **saved)
+        self._account("forward", gm, graphs=1, backend=self.backend, kept=self.kept, **saved)
         return self._finish(gm, example_inputs, is_backward=False, is_inference=inference)
 
     def compile_backward(self, gm: GraphModule, example_inputs):

@@ -9,7 +9,8 @@ dynamo guards a module's parameters on their metadata, so the graph compiled for
 (the graph ops find their parameters from the graph inputs, ``runtime/ops.py``): the backend lowers and generates code
 for one block instead of the whole model. What the model does outside its blocks (embedding, final norm, head, loss)
 is compiled by the engine's own compile of the module where dynamo can, as separate frames when the blocks sit in a
-loop dynamo cannot resume inside (it then runs that loop's frame as Python and compiles the frames it calls). The
+loop dynamo cannot resume inside (it then runs that loop's frame as Python and compiles the frames it calls). Under
+inductor those graphs outside the blocks compile with the eager backend (``engine_state._outside_blocks_backend``). The
 parameter-owning leaf modules outside the blocks (embedding, final norm, head) are compiled as regions of their own
 too at ZeRO stage 3, since dynamo never starts a frame inside ``torch.nn``; only parameters that the Python frame
 reads itself are gathered on access (``runtime/eager_access.py``).
@@ -47,26 +48,27 @@ def check(module: nn.Module) -> None:
 
 
 def install(module: nn.Module, backend: Callable, leaf_regions: bool,
-            compile_kwargs: Optional[Dict] = None) -> List[nn.Module]:
+            compile_kwargs: Optional[Dict] = None, leaf_backend: Optional[Callable] = None) -> List[nn.Module]:
     """Compile the repeated blocks of ``module`` as graphs of their own (one compiled function per block class), and
     with ``leaf_regions`` (ZeRO-3: ``stages.ShardedGraphs``) the parameter-owning modules outside them as regions of
     their own (:func:`outer_leaves`); returns
     the blocks (``check`` has accepted the module). ``compile_kwargs``: ``torch.compile``'s ``fullgraph`` and
     ``dynamic`` for these compiles, as ``engine.compile(compile_kwargs=...)`` gave them. A block may hand one of its
     parameters back to the model's frame, which often runs as Python, and dynamo returns it holding its stand-in: the
-    trampoline gathers it at ZeRO-3 (``eager_access.gather_for_caller``, as any module's forward does there)."""
+    trampoline gathers it at ZeRO-3 (``eager_access.gather_for_caller``, as any module's forward does there).
+    ``leaf_backend`` (default ``backend``) compiles the leaf regions."""
     blocks = repeated_blocks(module)
     compiled: Dict[type, Callable] = {}
 
-    def compiled_forward(cls: type) -> Callable:
+    def compiled_forward(cls: type, with_backend: Callable) -> Callable:
         if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, backend=backend, **(compile_kwargs or {}))
+            compiled[cls] = torch.compile(cls.forward, backend=with_backend, **(compile_kwargs or {}))
         return compiled[cls]
 
     for block in blocks:
-        ModuleForward.set(block, _trampoline(compiled_forward(type(block)), block))
+        ModuleForward.set(block, _trampoline(compiled_forward(type(block), backend), block))
     for leaf in outer_leaves(module, blocks) if leaf_regions else ():
-        ModuleForward.set(leaf, _compiled_leaf(compiled_forward(type(leaf)), leaf))
+        ModuleForward.set(leaf, _compiled_leaf(compiled_forward(type(leaf), leaf_backend or backend), leaf))
     return blocks
 
 

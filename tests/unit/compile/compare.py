@@ -169,6 +169,7 @@ def compiled_record(engine) -> Dict[str, Any]:
     assert state is not None, "the engine was never compiled with DeepCompile"
     stage, runtime = engine.zero_optimization_stage(), state.runtime
     return {"active": engine.is_deepcompile_active(), "stage": stage, "graphs": state.stats.graphs_compiled,
+            "graphs_by_backend": dict(state.stats.graphs_by_backend),
             "counters": {**vars(runtime.counters.gather), **vars(runtime.counters.reduce)},
             # parameters ZeRO-3 keeps whole (stage3_param_persistence_threshold): never gathered by the graphs;
             # the others are sharded, and only the graphs' gathers can give them their values

@@ -86,6 +86,11 @@ def test_inductor_matches_eager_zero3_and_saves_no_parameter(inductor_pairs):
         # one graph compiled, for the first block, ran compiled for the second too; nothing of it saved a parameter
         assert blocks["active"]
         assert_one_graph_serves_both_blocks(blocks)
+        # inductor compiled the block's graph only; the graphs outside the blocks (the model's frame around them and
+        # its leaf regions, each a piece or two of the model) ran on the eager backend
+        by_backend = blocks["graphs_by_backend"]
+        assert by_backend.get("inductor") == 1 and by_backend.get("eager", 0) >= 2, by_backend
+        assert out["fp32"]["graphs_by_backend"] == {"inductor": out["fp32"]["graphs"]}, out["fp32"]
         # as with the eager backend (test_parity_options.py): outside the blocks only what the model's own frame
         # reads as Python is gathered on access, once a step (the position table and the tied embedding weight of
         # its output head); from the second step on every run but the step's first was started ahead (measured: 12
