@@ -259,8 +259,8 @@ def _outside_blocks_backend(runtime, stats, compile_config: CompileConfig, backe
                             compile_graph: Callable) -> Callable:
     """With ``regions: "blocks"``, what compiles the graphs outside the blocks: the model's own frame around them
     and the leaf regions (``driver/regions.py``). Under inductor, the eager backend: each of those graphs holds one
-    embedding, norm, head or loss, where inductor's code generation and C++ builds (a forward and a backward a graph)
-    cost more than its fusion saves, and they would make up most of the first step (docs/config.md, ``regions``)."""
+    embedding, norm, head or loss, with little for inductor to fuse, yet a forward and a backward code generation and
+    C++ build each (on GPT-2 355M a third of inductor's time in the first step: docs/benchmarks.md)."""
     if backend != "inductor":
         return compile_graph
     from .driver.compiler import make_backend

@@ -15,7 +15,7 @@ parameter-owning leaf modules outside the blocks (embedding, final norm, head) a
 too at ZeRO stage 3, since dynamo never starts a frame inside ``torch.nn``; only parameters that the Python frame
 reads itself are gathered on access (``runtime/eager_access.py``).
 """
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -58,12 +58,14 @@ def install(module: nn.Module, backend: Callable, leaf_regions: bool,
     trampoline gathers it at ZeRO-3 (``eager_access.gather_for_caller``, as any module's forward does there).
     ``leaf_backend`` (default ``backend``) compiles the leaf regions."""
     blocks = repeated_blocks(module)
-    compiled: Dict[type, Callable] = {}
+    compiled: Dict[Tuple[type, Callable], Callable] = {}
 
     def compiled_forward(cls: type, with_backend: Callable) -> Callable:
-        if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, backend=with_backend, **(compile_kwargs or {}))
-        return compiled[cls]
+        # by backend too: a leaf of a block's class (a Linear head beside blocks of Linears) keeps the leaves' backend
+        key = (cls, with_backend)
+        if key not in compiled:
+            compiled[key] = torch.compile(cls.forward, backend=with_backend, **(compile_kwargs or {}))
+        return compiled[key]
 
     for block in blocks:
         ModuleForward.set(block, _trampoline(compiled_forward(type(block), backend), block))
