@@ -247,24 +247,17 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         if warning is not None:
             logger.warning(f"deepspeed-compile: {warning}")
         compile_kwargs = compile_kwargs or {}
-        outside = _outside_blocks_backend(runtime, state.stats, compile_config, backend, on_failure, compile_graph)
+        # the graphs outside the blocks (the model's frame around them, the leaf regions) each hold one embedding,
+        # norm, head or loss: little for inductor to fuse, yet a forward and a backward code generation and C++ build
+        # each (on GPT-2 355M a third of inductor's first-step time, docs/benchmarks.md): the eager backend compiles
+        # them under inductor
+        outside = make_backend(runtime, state.stats, compile_config, "eager", on_failure) if (
+            backend == "inductor") else compile_graph
         regions.install(engine.module, compile_graph, graphs_of(runtime).leaf_regions,
                         {key: compile_kwargs[key] for key in ("fullgraph", "dynamic") if key in compile_kwargs},
                         outside)
         return outside
     return compile_graph
-
-
-def _outside_blocks_backend(runtime, stats, compile_config: CompileConfig, backend: str, on_failure,
-                            compile_graph: Callable) -> Callable:
-    """With ``regions: "blocks"``, what compiles the graphs outside the blocks: the model's own frame around them
-    and the leaf regions (``driver/regions.py``). Under inductor, the eager backend: each of those graphs holds one
-    embedding, norm, head or loss, with little for inductor to fuse, yet a forward and a backward code generation and
-    C++ build each (on GPT-2 355M a third of inductor's time in the first step: docs/benchmarks.md)."""
-    if backend != "inductor":
-        return compile_graph
-    from .driver.compiler import make_backend
-    return make_backend(runtime, stats, compile_config, "eager", on_failure)
 
 
 def _start_sequence_group(engine, runtime, compile_config: CompileConfig) -> None:

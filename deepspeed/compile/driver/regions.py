@@ -10,7 +10,7 @@ dynamo guards a module's parameters on their metadata, so the graph compiled for
 for one block instead of the whole model. What the model does outside its blocks (embedding, final norm, head, loss)
 is compiled by the engine's own compile of the module where dynamo can, as separate frames when the blocks sit in a
 loop dynamo cannot resume inside (it then runs that loop's frame as Python and compiles the frames it calls). Under
-inductor those graphs outside the blocks compile with the eager backend (``engine_state._outside_blocks_backend``). The
+inductor those graphs outside the blocks compile with the eager backend (``engine_state._activate``). The
 parameter-owning leaf modules outside the blocks (embedding, final norm, head) are compiled as regions of their own
 too at ZeRO stage 3, since dynamo never starts a frame inside ``torch.nn``; only parameters that the Python frame
 reads itself are gathered on access (``runtime/eager_access.py``).
