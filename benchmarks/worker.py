@@ -38,8 +38,8 @@ from benchmarks.models import SIZES, blocks, make_batch, make_model, parameter_c
 from benchmarks.saved import saved_bytes  # noqa: E402
 
 ROWS = ("zero3", "zero3+compile", "ours-mincut", "ours-mincut-gloo", "ours-mincut+keep", "ours-regather",
-        "ours-mincut-heap", "ours-blocks", "ours-default", "fsdp2", "fsdp2+compile", "zero1", "ours-zero1", "zero2",
-        "zero2+compile", "ours-zero2", "ours-zero2-default", "local")
+        "ours-mincut-heap", "ours-blocks", "ours-blocks-gloo", "ours-default", "fsdp2", "fsdp2+compile", "zero1",
+        "ours-zero1", "zero2", "zero2+compile", "ours-zero2", "ours-zero2-default", "local")
 EAGER_ROWS = ("zero3", "zero1", "zero2", "fsdp2", "local")  # rows that compile nothing
 # what a DeepCompile row sets in the "compile" section besides deepcompile and the min-cut partitioner
 ROW_SECTIONS = {
@@ -49,6 +49,7 @@ ROW_SECTIONS = {
     "ours-regather": {"keep_gathered_bytes": 0},  # whatever stage3_max_reuse_distance says
     "ours-mincut-heap": {"release_host_memory": False},  # the allocator keeps what the step freed (host_memory.py)
     "ours-blocks": {"regions": "blocks"},  # one compiled graph serves every block (driver/regions.py)
+    "ours-blocks-gloo": {"regions": "blocks", "host_comm": "gloo"},  # block by block on the process group
     "ours-zero2-default": {"partitioner": "default"},  # ZeRO-2 with AOTAutograd's default partition
 }
 DTYPES = ("fp32", "bf16", "autocast")
