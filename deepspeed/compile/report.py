@@ -58,6 +58,9 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         # attentions whose constant causal mask the graphs replaced by is_causal=True (graph/masks.py)
         "causal_masks": state.stats.causal_masks,
         "run_time_masks": state.stats.run_time_masks,
+        # eager backend: sums the graphs write into an operand that dies there instead of a new tensor (a tied
+        # weight's two gradients, gradients of a residual stream; graph/in_place.py)
+        "sums_in_place": state.stats.sums_in_place,
         # compile.release_host_memory: whether it is on, how often the allocator's free memory was handed back to the
         # OS before an optimizer step, the resident bytes that took off (summed) and the seconds it cost
         "host_memory_release": runtime.host_heap.enabled,

@@ -17,6 +17,8 @@ from deepspeed.compile.graph.saved import saved_for_backward
 from deepspeed.compile.runtime.ops import GATHER, REDUCE, REDUCE_MM, RELEASE
 from graphs import FakeRuntime, clone, trace
 
+aten = torch.ops.aten
+
 
 def _qkv_graph() -> GraphModule:
     """A fused QKV weight split in forward, transposed, and downcast: every kind of parameter alias."""
@@ -713,3 +715,64 @@ def test_only_the_exact_lower_triangle_counts_as_causal():
     off[4, 0] = False
     assert not _is_causal(off, 5)
     assert not _is_causal(keep.to(torch.int64), 5)
+
+
+def test_in_place_sums_write_into_an_operand_that_dies_there_and_sum_the_same():
+    """``in_place_sums_pass`` (eager backend): a sum is written into an operand an ATen op made fresh and nothing else
+    reads, with the sum's layout; never into a graph input, an operand read again (or through a view), a view, an
+    operand whose strides are not the sum's, a broadcast operand, or the second operand of a scaled sum. On a GPT's backward graph the tied weight's two
+    gradients are summed in place, and every reduced gradient is the same bit for bit."""
+    from deepspeed.compile.graph.in_place import in_place_sums_pass
+    from graphs import make_gpt
+
+    runtime = FakeRuntime({0: torch.randn(4)})
+
+    def fn(a, b, bias):
+        fresh_first = torch.mm(a, b) + torch.mm(b, a)  # the first operand receives it
+        view_first = torch.mm(a, b).view(16) + torch.mm(b, a).sum(0).repeat(4)  # the second: the first is a view
+        transposed = torch.mm(a, b).t() + torch.mm(b, a)  # the sum takes the view's strides: neither may receive it
+        read_again = torch.mm(a, b)
+        kept = read_again + a  # read_again is read below, a is an input: not rewritten
+        broadcast = bias + torch.mm(a, b) * 2  # the broadcast bias cannot receive it; the product can
+        scaled = torch.add(a, torch.mm(a, b), alpha=2)  # only a scaled sum's first operand may receive it
+        gathered = GATHER(bias, runtime.id, 0, None, [], "") + torch.mm(a, b).sum(0)  # never into a gather's buffer
+        # read by a gradient reduce only, which takes any layout: the contiguous operand receives the transposed sum
+        REDUCE(torch.mm(a, b).t() + torch.mm(b, a), runtime.id, 7, None, [])
+        return fresh_first, view_first, transposed, kept, read_again.sum(), broadcast, scaled, gathered
+
+    shapes = ((4, 4), (4, 4), (4, ))
+    gm = trace(fn, *shapes)
+    args = [torch.randn(s) for s in shapes]
+    originals = [a.clone() for a in args]
+    expected = gm(*args)
+    rewritten = clone(gm)
+    assert in_place_sums_pass(rewritten) == 5
+    sums = [n for n in rewritten.graph.nodes if n.target in (aten.add.Tensor, aten.add_.Tensor)]
+    assert [n.target for n in sums] == [aten.add_.Tensor, aten.add_.Tensor, aten.add.Tensor, aten.add.Tensor,
+                                        aten.add_.Tensor, aten.add.Tensor, aten.add_.Tensor,
+                                        aten.add_.Tensor], rewritten.code
+    assert sums[6].args[0].target is aten.sum.dim_IntList and sums[6].args[1].target is GATHER
+    assert sums[7].args[0].target is aten.mm.default and sums[7].args[1].target is aten.t.default
+    assert sums[0].args[0].target is aten.mm.default and sums[1].args[0].target is aten.repeat.default
+    assert sums[4].args[0].target is aten.mul.Tensor and sums[4].args[1].op == "placeholder"
+    rewritten.recompile()
+    got = rewritten(*args)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    (_, _, first), (_, _, second) = [call for call in runtime.calls if call[0] == "reduce"]
+    assert torch.equal(first, second) and not first.is_contiguous() and second.is_contiguous()
+    assert all(torch.equal(a, o) for a, o in zip(args, originals))  # no input written
+
+    gpt = make_gpt(layers=2, dim=16, heads=2)
+    bw = clone(gpt.bw)
+    assert in_place_sums_pass(bw) >= 1
+    tied = gpt.fw_args[1]  # TinyGPT's token embedding, also its output head
+    assert any(n.target is aten.add_.Tensor and tuple(n.meta["val"].shape) == tuple(tied.shape)
+               for n in bw.graph.nodes), bw.code
+    bw.recompile()
+    gpt.bw(*gpt.bw_args)
+    before = [call for call in gpt.runtime.calls if call[0] == "reduce"]
+    gpt.runtime.calls.clear()
+    bw(*gpt.bw_args)
+    after = [call for call in gpt.runtime.calls if call[0] == "reduce"]
+    assert len(after) == len(before) == len(gpt.fw_args) - 2  # every parameter's gradient, once
+    assert all(a[1] == b[1] and torch.equal(a[2], b[2]) for a, b in zip(after, before))

@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The eager backend's sums written into an operand that dies there (``compile.eager_graph_code``'s graphs).
+
+AOTAutograd's graphs are functional: ``aten.add.Tensor`` always returns a new tensor. Inductor reuses a dead input's
+buffer for it; the eager backend runs the graph op by op, so every sum allocates, and a large one pays for fresh
+pages. The largest is a tied weight's gradient (GPT-2's token embedding and head): the head's matmul gradient plus
+the embedding's, two vocabulary-by-width tensors, summed into a third at the end of backward. Written into the
+operand that dies at the sum, it takes neither the allocation nor its page faults, and the peak is one such tensor
+lower. ``a + b`` rounds as ``b + a``, so the sum is the same bit for bit whichever operand receives it.
+"""
+import torch
+from torch.fx import GraphModule, Node
+
+from .nodes import alias_source, is_reduce
+
+_ADD = torch.ops.aten.add.Tensor
+_ADD_ = torch.ops.aten.add_.Tensor
+
+
+def _plain_layout(value) -> bool:
+    return (isinstance(value, torch.Tensor) and all(isinstance(s, int) for s in value.shape)
+            and all(isinstance(s, int) for s in value.stride()))
+
+
+def _receives(operand, node: Node) -> bool:
+    """Whether ``node``'s sum may be written into ``operand``: a tensor an ATen op made fresh (its schema says its
+    result aliases no input), read by nothing else (so no view of it lives either), with the sum's dtype and shape,
+    and its strides too unless only gradient reduces read the sum (they take any layout: a tied weight's head
+    gradient is often a transposed matmul, the sum then the transpose's layout, the embedding's gradient not)."""
+    if not isinstance(operand, Node) or operand.op != "call_function" or len(operand.users) != 1:
+        return False
+    # not our ops: a gather's result is the runtime's buffer
+    if type(operand.target) is not torch._ops.OpOverload or operand.target.namespace != "aten":
+        return False
+    if alias_source(operand) is not None:
+        return False
+    mine, result = operand.meta.get("val"), node.meta.get("val")
+    if not (_plain_layout(mine) and _plain_layout(result) and mine.dtype == result.dtype
+            and mine.shape == result.shape):
+        return False
+    return mine.stride() == result.stride() or (mine.is_contiguous() and all(map(is_reduce, node.users)))
+
+
+def in_place_sums_pass(gm: GraphModule) -> int:
+    """Rewrite each ``aten.add.Tensor`` one of whose operands may receive it (:func:`_receives`) as ``add_`` into
+    that operand. A scaled sum (``alpha``) keeps its order, so only its first operand may receive it. Returns how
+    many sums were rewritten."""
+    rewritten = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not _ADD or len(node.args) != 2:
+            continue
+        first, second = node.args
+        scaled = node.kwargs.get("alpha", 1) != 1
+        if _receives(first, node):
+            node.args = (first, second)
+        elif not scaled and _receives(second, node):
+            node.args = (second, first)
+        else:
+            continue
+        node.target = _ADD_
+        rewritten += 1
+    return rewritten
