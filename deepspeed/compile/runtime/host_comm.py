@@ -268,12 +268,13 @@ def _take_pieces(rows: List[Tensor], outs: List[Tensor], widths: List[int], piec
         offset += n
 
 
-def start_sum(channel: Channel, columns: Tensor, row: Optional[int], ident: int = -1) -> Work:
-    """Every rank's ``columns`` (2-D) summed through ``channel``, chunk by chunk of columns, into ``columns[row]``
-    (this rank's row of a ZeRO-3 bucket: a reduce-scatter) or, with ``row`` None, into all of ``columns`` (an
-    all-reduce); returns the last chunk's collective, whose wait waits for them all (a channel reads in order). Each
-    chunk is written to this rank's slot when started and summed, in rank order, from every rank's slot when read;
-    ``columns`` must not change in between."""
+def start_sum(channel: Channel, columns: Tensor, row: Optional[int], ident: int = -1, divisor: int = 1) -> Work:
+    """Every rank's ``columns`` (2-D, any strides) summed through ``channel``, chunk by chunk of columns, into
+    ``columns[row]`` (this rank's row of a ZeRO-3 bucket: a reduce-scatter) or, with ``row`` None, into all of
+    ``columns`` (an all-reduce); returns the last chunk's collective, whose wait waits for them all (a channel reads in
+    order). Each chunk is written to this rank's slot when started, divided by ``divisor`` on the way (the division
+    a bucket is given before it is summed, without a pass of its own), and summed, in rank order, from every rank's
+    slot when read; ``columns`` must not change in between."""
     height, width = columns.shape
     step = max(1, channel.slot_bytes // (height * columns.element_size()))
     kind = KIND_ALL_REDUCE if row is None else KIND_REDUCE_SCATTER
@@ -282,10 +283,18 @@ def start_sum(channel: Channel, columns: Tensor, row: Optional[int], ident: int 
         chunk = columns[:, start:start + step]
         out = chunk if row is None else chunk[row]
         works.append(channel.start(chunk.numel() * chunk.element_size(),
-                                   lambda slot, chunk=chunk: slot.view(chunk.dtype).view(chunk.shape).copy_(chunk),
+                                   lambda slot, chunk=chunk: _write(slot.view(chunk.dtype).view(chunk.shape), chunk,
+                                                                    divisor),
                                    lambda slots, chunk=chunk, out=out: _sum(slots, chunk, out, row),
                                    kind=kind, dtype=columns.dtype, ident=ident))
     return works[-1]
+
+
+def _write(slot: Tensor, chunk: Tensor, divisor: int) -> None:
+    if divisor == 1:
+        slot.copy_(chunk)
+    else:
+        torch.div(chunk, divisor, out=slot)
 
 
 def _sum(slots: List[Tensor], chunk: Tensor, out: Tensor, row: Optional[int]) -> None:

@@ -14,8 +14,8 @@ the same collective on the same values, so the same sums for any number of ranks
 (``benchmarks/gloo_collectives.py`` times both; ``docs/benchmarks.md``) and with no receive buffer.
 
 Where every rank is on this host (``compile.host_comm``), a bucket goes through shared memory instead, in chunks of
-columns: each rank copies its bucket's chunk into its slot, and each sums its own row of every rank's slot into its
-bucket, in rank order. With two ranks that is gloo's sum bit for bit (a + b is b + a); with more, the order of the
+columns, read where they lie in the bucket (no compaction): each rank writes its bucket's chunk into its slot,
+divided by the world size on the way, and each sums its own row of every rank's slot into its bucket, in rank order. With two ranks that is gloo's sum bit for bit (a + b is b + a); with more, the order of the
 additions may differ from gloo's ring.
 """
 import time
@@ -182,18 +182,20 @@ class GradientReducer:
         self.comm.before_start()
         transport = self.transport
         world_size, rank = transport.world_size, transport.rank
-        send = self._compact(bucket)
-        send.div_(world_size)  # gloo has no AVG: pre-divide, then SUM (as eager ZeRO-3 does)
-        rows = send.view(world_size, bucket.used)
-        if transport.host is not None:
-            recv = rows[rank]
-            work = start_sum(transport.host.reduce, rows, rank)
-        elif transport.reduce_scatter_by_all_reduce:  # this rank's row of the summed bucket is its partition
-            work = dist.all_reduce(send, group=transport.group, async_op=True)
-            recv = rows[rank]
+        # gloo has no AVG: pre-divide, then SUM (as eager ZeRO-3 does)
+        if transport.host is not None:  # the used columns where they lie, divided on their way to the slots
+            send = bucket.buffer[:, :bucket.used]
+            recv = send[rank]
+            work = start_sum(transport.host.reduce, send, rank, divisor=world_size)
         else:
-            recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
-            work = dist.reduce_scatter_single(recv, send.view(-1), group=transport.group, async_op=True)
+            send = self._compact(bucket)
+            send.div_(world_size)
+            if transport.reduce_scatter_by_all_reduce:  # this rank's row of the summed bucket is its partition
+                work = dist.all_reduce(send, group=transport.group, async_op=True)
+                recv = send.view(world_size, bucket.used)[rank]
+            else:
+                recv = torch.empty(bucket.used, dtype=dtype, device=send.device)
+                work = dist.reduce_scatter_single(recv, send, group=transport.group, async_op=True)
         c = self.comm.counters.reduce
         c.reduce_scatter_bytes += send.numel() * send.element_size()
         c.reduce_bytes += send.numel() * send.element_size()

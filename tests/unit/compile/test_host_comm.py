@@ -166,7 +166,8 @@ def test_a_peer_that_exits_closes_or_fails_ends_the_wait_with_an_error_naming_it
 def _rank_sums(world_rows: bool) -> dict:
     """A bucket summed over the ranks through slots smaller than it (several chunks): into this rank's row of a
     (world, columns) bucket (ZeRO-3's reduce-scatter), or into the whole of a (1, columns) one (ZeRO-2's all-reduce);
-    the result against gloo's all-reduce of the same values."""
+    the result against gloo's all-reduce of the same values. ZeRO-3's also as its bucket's used columns, strided,
+    divided by the world size on the way to the slots, the columns beyond untouched."""
     rank, world = dist.get_rank(), dist.get_world_size()
     channel = HostComm(None, 0, 4 * 96, reduce_slots=2).reduce
     torch.manual_seed(rank)
@@ -181,6 +182,16 @@ def _rank_sums(world_rows: bool) -> dict:
         got = columns[rank] if world_rows else columns
         want = expected[rank] if world_rows else expected
         out[str(dtype)] = {"equal": torch.equal(got, want), "chunks": channel._next - before}
+        if world_rows:  # ZeRO-3's bucket: its used columns where they lie (rows strided), pre-divided on the way
+            bucket = torch.randn(world, 1300).to(dtype)
+            columns, spare = bucket[:, :1000], bucket[:, 1000:].clone()
+            expected = columns / world
+            dist.all_reduce(expected)
+            before = channel._next
+            assert start_sum(channel, columns, rank, divisor=world).wait(WAIT)
+            out[f"{dtype}, strided and divided"] = {"equal": torch.equal(columns[rank], expected[rank])
+                                                    and torch.equal(bucket[:, 1000:], spare),
+                                                    "chunks": channel._next - before}
     # an empty bucket (ZeRO-2 asks to reduce one) is one collective of no bytes, waited for like any other
     before = channel._next
     assert start_sum(channel, torch.empty(world if world_rows else 1, 0), rank if world_rows else None).wait(WAIT)
