@@ -234,8 +234,9 @@ class GraphCompiler:
     def _lowering(self, is_backward: bool) -> List[Tuple[str, Callable[[GraphModule], GraphModule]]]:
         """The passes that make a graph, once our passes have placed its collectives, into what the backend runs,
         in order. Eager: a ZeRO-1/2 backward's weight gradients fused with their reduces, sums written into an operand
-        that dies there, then each op called as the plain function behind it. Inductor: reduces deferred past fusible code, the fusion, the collectives' order
-        made a data dependency (inductor may not reorder them), then each op called as its untraced twin."""
+        that dies there, then each op called as the plain function behind it. Inductor: reduces deferred past fusible
+        code, the fusion, the collectives' order made a data dependency (inductor may not reorder them), then each op
+        called as its untraced twin."""
         fused = self.stage_graphs.lowering(is_backward, self.config)
         if self.backend == "eager":
             # nothing traces or differentiates the graph any more: sums may reuse a dying operand (inductor reuses

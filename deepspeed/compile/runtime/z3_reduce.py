@@ -15,8 +15,9 @@ the same collective on the same values, so the same sums for any number of ranks
 
 Where every rank is on this host (``compile.host_comm``), a bucket goes through shared memory instead, in chunks of
 columns, read where they lie in the bucket (no compaction): each rank writes its bucket's chunk into its slot,
-divided by the world size on the way, and each sums its own row of every rank's slot into its bucket, in rank order. With two ranks that is gloo's sum bit for bit (a + b is b + a); with more, the order of the
-additions may differ from gloo's ring.
+divided by the world size on the way, and each sums its own row of every rank's slot into its bucket, in rank
+order. With two ranks that is gloo's sum bit for bit (a + b is b + a); with more, the order of the additions may
+differ from gloo's ring.
 """
 import time
 from dataclasses import dataclass, field

@@ -719,8 +719,9 @@ def test_only_the_exact_lower_triangle_counts_as_causal():
 
 def test_in_place_sums_write_into_an_operand_that_dies_there_and_sum_the_same():
     """``in_place_sums_pass`` (eager backend): a sum is written into an operand an ATen op made fresh and nothing else
-    reads, with the sum's layout; never into a graph input, an operand read again (or through a view), a view, an
-    operand whose strides are not the sum's, a broadcast operand, or the second operand of a scaled sum. On a GPT's backward graph the tied weight's two
+    reads, with the sum's layout (any contiguous one where only a gradient reduce reads the sum); never into a graph
+    input, a gather's buffer, an operand read again (or through a view), a view, an operand whose strides are not the
+    sum's, a broadcast operand, or the second operand of a scaled sum. On a GPT's backward graph the tied weight's two
     gradients are summed in place, and every reduced gradient is the same bit for bit."""
     from deepspeed.compile.graph.in_place import in_place_sums_pass
     from graphs import make_gpt
