@@ -30,7 +30,7 @@ from .eager_code import boxed_eager
 from .stages import graphs_of
 from ..graph.nodes import META_DS_ID, is_gather, is_reduce, joint_primals
 from ..runtime.ops import PLAIN_CALLS, UNTRACED_CALLS
-from ..graph.in_place import in_place_sums_pass
+from ..graph.in_place import in_place_sums_pass, owned_reduces_pass
 from ..graph.masks import causal_masks_pass, run_time_causal_pass
 from ..graph.recompute import tag_param_aliases_pass
 from ..graph.runner import run_passes
@@ -210,6 +210,10 @@ class GraphCompiler:
         self.stats.sums_in_place += in_place_sums_pass(gm)
         return gm
 
+    def _owned_reduces(self, gm: GraphModule) -> GraphModule:
+        owned_reduces_pass(gm)  # what it let the runtime do is counted there (grads_reduced_in_place)
+        return gm
+
     def _account(self, direction: str, gm: GraphModule, **found) -> None:
         """Add what compiling one direction of this graph found to the engine's stats, and to its compile record
         when torch may cache the graph (a process that loads it adds the record instead, :meth:`load_record`)."""
@@ -234,14 +238,14 @@ class GraphCompiler:
     def _lowering(self, is_backward: bool) -> List[Tuple[str, Callable[[GraphModule], GraphModule]]]:
         """The passes that make a graph, once our passes have placed its collectives, into what the backend runs,
         in order. Eager: a ZeRO-1/2 backward's weight gradients fused with their reduces, sums written into an operand
-        that dies there, then each op called as the plain function behind it. Inductor: reduces deferred past fusible
-        code, the fusion, the collectives' order made a data dependency (inductor may not reorder them), then each op
-        called as its untraced twin."""
+        that dies there, reduces told where nothing else reads their gradient, then each op called as the plain
+        function behind it. Inductor: reduces deferred past fusible code, the fusion, the collectives' order made a
+        data dependency (inductor may not reorder them), then each op called as its untraced twin."""
         fused = self.stage_graphs.lowering(is_backward, self.config)
         if self.backend == "eager":
-            # nothing traces or differentiates the graph any more: sums may reuse a dying operand (inductor reuses
-            # buffers itself), and the dispatcher's custom-op path would be overhead
-            return fused + [("in_place_sums", self._in_place_sums),
+            # nothing traces or differentiates the graph any more: sums may reuse a dying operand and reduces their
+            # gradient (inductor reuses buffers itself), and the dispatcher's custom-op path would be overhead
+            return fused + [("in_place_sums", self._in_place_sums), ("owned_reduces", self._owned_reduces),
                             ("plain_calls", functools.partial(rewrite.retarget_calls_pass, targets=PLAIN_CALLS))]
         # a reduce where its gradient is produced would split fused kernels; inductor's reordering depends on shapes;
         # our ops without the layers tracing needed are called past them from here on

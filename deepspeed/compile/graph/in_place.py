@@ -1,16 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The eager backend's sums written into an operand that dies there (``compile.eager_graph_code``'s graphs).
+"""The eager backend's sums written into an operand that dies there, and gradients reduced where they lie.
 
 AOTAutograd's graphs are functional: ``aten.add.Tensor`` always returns a new tensor. Inductor reuses a dead input's
 buffer for it; the eager backend runs the graph op by op, so every sum allocates, and a large one pays for fresh
 pages. The largest is a tied weight's gradient (GPT-2's token embedding and head): the head's matmul gradient plus
 the embedding's, two vocabulary-by-width tensors, summed into a third at the end of backward. Written into the
 operand that dies at the sum, it takes neither the allocation nor its page faults, and the peak is one such tensor
-lower. ``a + b`` rounds as ``b + a``, so the sum is the same bit for bit whichever operand receives it.
+lower. ``a + b`` rounds as ``b + a``, so the sum is the same bit for bit whichever operand receives it. That sum is
+then read by its reduce alone, which may reduce it where it lies instead of copying it into a bucket of its own
+(:func:`owned_reduces_pass`).
 """
 import torch
 from torch.fx import GraphModule, Node
 
+from ..runtime.ops import run_reduce_owned
 from .nodes import alias_source, is_reduce
 
 _ADD = torch.ops.aten.add.Tensor
@@ -60,3 +63,28 @@ def in_place_sums_pass(gm: GraphModule) -> int:
         node.target = _ADD_
         rewritten += 1
     return rewritten
+
+
+def _owned(grad, reduce: Node) -> bool:
+    """Whether nothing but ``reduce`` reads ``grad``'s storage: ``grad`` and every alias between it and the fresh ATen
+    result whose storage it is (the ``add_`` of :func:`in_place_sums_pass`, a view) each read by the next alone."""
+    node, reader = grad, reduce
+    while isinstance(node, Node) and node.op == "call_function" and list(node.users) == [reader] \
+            and type(node.target) is torch._ops.OpOverload and node.target.namespace == "aten":
+        source = alias_source(node)
+        if source is None:
+            return True
+        node, reader = source, node
+    return False
+
+
+def owned_reduces_pass(gm: GraphModule) -> int:
+    """Each gradient reduce whose gradient's storage nothing else reads (:func:`_owned`) calls
+    ``ops.run_reduce_owned``: the runtime may reduce that gradient where it lies instead of copying it into a bucket
+    first. The eager backend's last pass before our ops are called as plain functions. Returns how many."""
+    owned = 0
+    for node in gm.graph.nodes:
+        if is_reduce(node) and _owned(node.args[0], node):
+            node.target = run_reduce_owned
+            owned += 1
+    return owned

@@ -52,6 +52,7 @@ class ReduceCounters:
     eager_grads: int = 0  # ZeRO-1/2: gradients autograd accumulated from eager code (frames run as Python)
     matmul_grads: int = 0  # ZeRO-1/2: gradients a reduce computed itself, fused with their matmul (reduce_grad_mm)
     grads_in_bucket: int = 0  # of those, computed straight into ZeRO-2's reduce bucket (no copy into it)
+    grads_reduced_in_place: int = 0  # ZeRO-3: gradients wider than a bucket, reduced where they lie (no copy)
 
 
 @dataclass

@@ -115,6 +115,12 @@ def run_reduce(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor
     registry.lookup(runtime_id).reduce_op(grad, ds_id, param)
 
 
+def run_reduce_owned(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor], after: List[Tensor]) -> None:
+    """``run_reduce`` of a gradient whose storage nothing else in the graph reads (the eager backend's graphs,
+    ``graph/in_place.py``): the runtime may reduce it where it lies, writing into it, instead of copying it first."""
+    registry.lookup(runtime_id).reduce_op(grad, ds_id, param, owned=True)
+
+
 @reduce_grad.register_fake
 def _reduce_fake(grad: Tensor, runtime_id: int, ds_id: int, param: Optional[Tensor], after: List[Tensor]) -> None:
     return None

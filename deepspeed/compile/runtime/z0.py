@@ -30,7 +30,7 @@ class Z0Runtime(StageRuntime):
     def grad_ds_ids(self, inputs) -> List[Optional[int]]:
         return [None] * len(inputs)  # gradients stay autograd's, for the engine's all-reduce
 
-    def reduce_op(self, grad: Tensor, traced_ds_id: int, param: Optional[Tensor]) -> None:
+    def reduce_op(self, grad: Tensor, traced_ds_id: int, param: Optional[Tensor], owned: bool = False) -> None:
         raise RuntimeError("deepspeed-compile: a ZeRO-0 graph reduced a gradient; the engine reduces them itself")
 
     @contextmanager

@@ -84,9 +84,10 @@ class Z12Runtime(StageRuntime):
         self.handoff.note_eager_uses(args)
 
     # ----- gradients ------------------------------------------------------------------------------------
-    def reduce_op(self, grad: Tensor, traced_ds_id: int, param: Optional[Tensor]) -> None:
+    def reduce_op(self, grad: Tensor, traced_ds_id: int, param: Optional[Tensor], owned: bool = False) -> None:
         """The ``reduce_grad`` op: the gradient of ``param``, the parameter the backward was handed (the graph may
-        serve another module of the code it was traced on, whose parameter ``traced_ds_id`` names)."""
+        serve another module of the code it was traced on, whose parameter ``traced_ds_id`` names). ``owned`` makes
+        no difference here: ZeRO's own buckets take the gradient."""
         ds_id = self.table.ds_id_of(param)
         if gradient_wanted(self.params[ds_id]):  # else torch.autograd.grad of other inputs: dropped, as autograd does
             self.handoff.reduce(ds_id, grad)

@@ -194,16 +194,17 @@ class Z3Runtime(StageRuntime):
         self.buffers.forget_changed(lambda ds_id: shard_state(self.params[ds_id]))
 
     # ----- gradient reduction ----------------------------------------------------------------------------
-    def reduce_op(self, grad: Tensor, ds_id: int, standin: Optional[Tensor]) -> None:
+    def reduce_op(self, grad: Tensor, ds_id: int, standin: Optional[Tensor], owned: bool = False) -> None:
         """The ``reduce_grad`` op: the gradient of the parameter ``standin`` stands in for. Without one, of parameter
         ``ds_id``: a graph that hands a parameter back as it is gets its gradient as a backward input, with no
-        stand-in to name it (such graphs are bound to their traced parameters, ``compiler.make_backend``)."""
+        stand-in to name it (such graphs are bound to their traced parameters, ``compiler.make_backend``).
+        ``owned``: nothing else reads the gradient's storage (``ops.run_reduce_owned``)."""
         param = self.params[ds_id] if standin is None else self.shards.param_of(standin)
         if not gradient_wanted(param):  # torch.autograd.grad of other inputs: this gradient is dropped, as autograd's
             return
         # a ZeRO-3 leaf module's parameter is held to the end of backward (EagerAccess.reduce_leaf_grads)
         if not self.eager.hold_leaf_grad(param, grad):
-            self.reducer.reduce(param.ds_id, grad)
+            self.reducer.reduce(param.ds_id, grad, owned)
 
     # ----- engine hooks ----------------------------------------------------------------------------------
     def detach(self) -> None:
@@ -309,6 +310,8 @@ class Z3Runtime(StageRuntime):
             "allgather_bytes": c.allgather_bytes,
             "allgather_bytes_by_dtype": dict(c.allgather_bytes_by_dtype),
             "reduce_scatter_bytes": self.counters.reduce.reduce_scatter_bytes,
+            # gradients wider than a bucket that nothing else read, reduced where they lay (no bucket copied them)
+            "grads_reduced_in_place": self.counters.reduce.grads_reduced_in_place,
             "gathers": c.gathers,
             "allgather_collectives": c.allgather_collectives,
             "eager_gathers": c.eager_gathers,

@@ -82,10 +82,11 @@ class GradientReducer:
         """A forward whose backward will not run: the gradients it announced will not come."""
         self._grad_sources.clear()
 
-    def reduce(self, ds_id: int, grad: Tensor) -> None:
+    def reduce(self, ds_id: int, grad: Tensor, owned: bool = False) -> None:
         """Queue parameter ``ds_id``'s gradient for the reduce-scatter. A parameter used by several graphs, or by
         a graph and eager code (a tied weight across a graph break), gets one gradient from each: they are summed
-        first and reduced once, as autograd's accumulation does for eager ZeRO-3 (same sum, same rounding)."""
+        first and reduced once, as autograd's accumulation does for eager ZeRO-3 (same sum, same rounding).
+        ``owned``: nothing else reads ``grad``'s storage, so it may be reduced where it lies (:meth:`bucket_grad`)."""
         remaining = self._grad_sources.get(ds_id, 0)
         held = self._held_grads.get(ds_id)
         if held is not None:
@@ -97,24 +98,26 @@ class GradientReducer:
         if held is not None:
             if remaining > 1:
                 return  # more gradients of this parameter are coming in this backward
-            grad = self._held_grads.pop(ds_id)
-        self.bucket_grad(ds_id, grad)
+            grad, owned = self._held_grads.pop(ds_id), True  # the sum is ours
+        self.bucket_grad(ds_id, grad, owned)
 
     def end_of_backward(self) -> None:
         """Everything this backward reduced, in the optimizer's partitions: held gradients whose other uses gave
         none (no gradient flowed there) reduced as they are, every bucket flushed and every reduce-scatter done."""
         for ds_id in sorted(self._held_grads):
-            self.bucket_grad(ds_id, self._held_grads.pop(ds_id))
+            self.bucket_grad(ds_id, self._held_grads.pop(ds_id), owned=True)
         self._grad_sources.clear()
         for dtype in sorted(self._buckets, key=str):
             self._flush(dtype)
         self._finish_reduces()
         self._reduced.clear()
 
-    def bucket_grad(self, ds_id: int, grad: Tensor) -> None:
+    def bucket_grad(self, ds_id: int, grad: Tensor, owned: bool = False) -> None:
         """Copy the gradient into the bucket now, whatever other uses of the parameter are still to come (a compiled
         graph may reuse its buffer right after this op); reduce-scatter the bucket when the next gradient would not
-        fit."""
+        fit. A gradient wider than a bucket gets a bucket of its own: where nothing else reads it (``owned``) and its
+        elements are the bucket's rows as they lie (contiguous, in the communication dtype, no shard padding), that
+        bucket is the gradient itself, not a new buffer it is copied into (a tied embedding's: 154 MB at GPT-2 124M)."""
         param = self.params[ds_id]
         # the parameter's communication dtype, as eager ZeRO-3 chooses it: under torch_autocast the gradients of
         # lower-precision-safe modules travel in the autocast dtype (half the bytes), the others in their own
@@ -124,19 +127,24 @@ class GradientReducer:
         if bucket is not None and bucket.used + width > bucket.buffer.shape[1]:
             self._flush(dtype)
             bucket = None
-        if bucket is None:
-            bucket = _Bucket(self._bucket_buffer(dtype, width, grad.device))
-            self._buckets[dtype] = bucket
-        # row r of the bucket holds rank r's slice of every gradient (padding stays zero)
-        flat = grad.reshape(-1)
-        rows = bucket.buffer[:, bucket.used:bucket.used + width]
-        full = flat.numel() // width
-        rows[:full].copy_(flat[:full * width].view(full, width))
-        if full < self.transport.world_size:  # the padded tail of the last shards: the rest of its row, and later rows, are 0
-            rest = flat.numel() - full * width
-            rows[full, :rest].copy_(flat[full * width:])
-            rows[full, rest:].zero_()
-            rows[full + 1:].zero_()
+        world_size = self.transport.world_size
+        if bucket is None and owned and width > self._columns and grad.dtype == dtype and grad.is_contiguous() \
+                and grad.numel() == world_size * width:
+            bucket = self._buckets[dtype] = _Bucket(grad.view(world_size, width))
+            self.comm.counters.reduce.grads_reduced_in_place += 1
+        else:
+            if bucket is None:
+                bucket = self._buckets[dtype] = _Bucket(self._bucket_buffer(dtype, width, grad.device))
+            # row r of the bucket holds rank r's slice of every gradient (padding stays zero)
+            flat = grad.reshape(-1)
+            rows = bucket.buffer[:, bucket.used:bucket.used + width]
+            full = flat.numel() // width
+            rows[:full].copy_(flat[:full * width].view(full, width))
+            if full < world_size:  # the padded tail of the last shards: the rest of its row, and later rows, are 0
+                rest = flat.numel() - full * width
+                rows[full, :rest].copy_(flat[full * width:])
+                rows[full, rest:].zero_()
+                rows[full + 1:].zero_()
         bucket.items.append((param, width))
         bucket.used += width
         self.comm.counters.reduce.reduces += 1
@@ -150,8 +158,7 @@ class GradientReducer:
         only start when backward ends. With the share, the first reduce starts a quarter of the way through
         backward's gradients, and at most half of them are held in buckets (one reducing, one filling)."""
         world_size = self.transport.world_size
-        columns = min(self.bucket_numel // world_size, max(1, self._grad_columns // BUCKET_SHARE))
-        if width > columns:
+        if width > self._columns:
             return torch.empty(world_size, width, dtype=dtype, device=device)
         busy = {id(pending.buffer) for pending in self._pending}
         buffers = self.buffers.setdefault(dtype, [])
@@ -159,9 +166,14 @@ class GradientReducer:
             if id(buffer) not in busy and buffer.device == device:
                 return buffer
         # the other one is still being reduce-scattered: a second buffer (never more: one flush is in flight)
-        buffer = torch.empty(world_size, columns, dtype=dtype, device=device)
+        buffer = torch.empty(world_size, self._columns, dtype=dtype, device=device)
         buffers.append(buffer)
         return buffer
+
+    @property
+    def _columns(self) -> int:
+        """A bucket's width (:meth:`_bucket_buffer`)."""
+        return min(self.bucket_numel // self.transport.world_size, max(1, self._grad_columns // BUCKET_SHARE))
 
     def _compact(self, bucket: _Bucket) -> Tensor:
         """The used columns of the bucket as one contiguous (world_size * used) buffer, moved to the front of the

@@ -38,6 +38,7 @@ class FakeRuntime:
     def __init__(self, params: Union[Sequence[torch.Tensor], Mapping[int, torch.Tensor]]):
         self.params = params
         self.calls: List[Tuple[str, int, Any]] = []
+        self.owned: List[int] = []  # ds_ids of the reduces told nothing else reads their gradient
         self.id = registry.register(self)
 
     def gather(self, standin: torch.Tensor, ds_id: int, dtype: Optional[torch.dtype], plan: str = "") -> torch.Tensor:
@@ -51,8 +52,10 @@ class FakeRuntime:
         self.calls.append(("release", ds_id, gathered.dtype))
         gathered.fill_(float("nan"))
 
-    def reduce_op(self, grad: torch.Tensor, ds_id: int, param: Optional[torch.Tensor]) -> None:
+    def reduce_op(self, grad: torch.Tensor, ds_id: int, param: Optional[torch.Tensor], owned: bool = False) -> None:
         self.calls.append(("reduce", ds_id, grad.clone()))
+        if owned:
+            self.owned.append(ds_id)
 
     def reduce_product_op(self, mat1: torch.Tensor, mat2: torch.Tensor, ds_id: int,
                           param: Optional[torch.Tensor]) -> None:

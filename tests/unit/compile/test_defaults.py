@@ -91,6 +91,7 @@ def _defaults(steps, zero_overrides=None, backend="eager"):
             result["graphs"] = report.get("graphs_compiled", 0)
             result["reduces"] = report.get("reduces", 0)
             result["reduce_collectives"] = report.get("reduce_collectives", 0)
+            result["sums_in_place"] = report.get("sums_in_place", 0)
             host = runtime.transport.host  # shared memory where the ranks share it (compile.host_comm "auto")
             result["host_reduce_collectives"] = None if host is None else host.reduce.started
             result["sharded_bytes"] = {ds_id: p.ds_numel * p.element_size() for ds_id, p in runtime.sharded.items()}
@@ -119,6 +120,8 @@ def test_default_settings_train_exactly_with_a_bucket_of_a_quarter_of_the_model(
         # loss function logs that its loss_type is unset (warning_once), which broke the forward in two until
         # DeepCompile's forward told dynamo to ignore that call (integrations/ds_checkpointing.py)
         assert dc["graphs"] == 1 and dc["reduces"] > 0, dc
+        # the tied embedding's two gradients are summed into one of them (the same values as eager ZeRO-3's, above)
+        assert dc["sums_in_place"] > 0, dc
         # through shared memory each bucket's reduction is one collective of the channel: its slots are sized by every
         # trained parameter, persistent ones included (sized by the sharded ones alone, none here, a bucket went
         # through in chunks of 64 bytes, tens of thousands of collectives a step)

@@ -2,8 +2,9 @@
 """Each of this module's own "compile" options against eager ZeRO-3 on the same data (2 gloo ranks, eager backend).
 
 fp32 options (none set, ``schedule: "traced"``, ``prefetch: 2``, ``partitioner: "default"``, ``regions: "blocks"``,
-``host_comm: "gloo"``, ``eager_graph_code: "fx"``) change where gathers, releases and saved tensors go, which graphs
-there are, how collectives move between the ranks or what code runs a graph, never the arithmetic: losses, gradients
+``host_comm: "gloo"``, ``eager_graph_code: "fx"``; and a reduce bucket narrower than most gradients, which the
+runtime then reduces where they lie) change where gathers, releases and saved tensors go, which graphs there are, how
+collectives move between the ranks or what code runs a graph, never the arithmetic: losses, gradients
 after every backward of the first 2 steps, parameters and buffers must be bitwise equal to eager ZeRO-3's.
 ``fused_cast: false`` only matters under autocast(bf16), where the compiled graph and eager ZeRO-3 round
 differently: the bounds of test_pipeline.py apply against eager ZeRO-3, and the unfused graph must be bitwise equal to the fused one (casting a shard before the
@@ -16,18 +17,20 @@ from distributed import run_distributed
 STEPS = 6
 FP32_OPTIONS = {"none": {}, "traced": {"schedule": "traced"}, "prefetch2": {"prefetch": 2},
                 "default_partitioner": {"partitioner": "default"}, "blocks": {"regions": "blocks"},
-                "gloo": {"host_comm": "gloo"}, "fx_code": {"eager_graph_code": "fx"}}
+                "gloo": {"host_comm": "gloo"}, "fx_code": {"eager_graph_code": "fx"}, "wide_grads": {}}
 
 
 def _options_against_eager():
     from compare import run_compiled, run_eager
     fp32 = run_eager("gpt", STEPS, grad_steps=2)
     # block by block, gathers coalesced (a prefetch bucket of 3000 elements, so each block graph has several runs; the
-    # other options gather one parameter at a time): runs are started ahead across the block graphs too. Eager
-    # ZeRO-3's arithmetic does not depend on the bucket.
-    coalesced = {"blocks": {"zero_overrides": {"stage3_prefetch_bucket_size": 3000}}}
+    # other options gather one parameter at a time): runs are started ahead across the block graphs too. With a reduce
+    # bucket of 200 columns most gradients are wider than a bucket, and those nothing else reads are reduced where
+    # they lie. Eager ZeRO-3's arithmetic depends on neither bucket.
+    buckets = {"blocks": {"zero_overrides": {"stage3_prefetch_bucket_size": 3000}},
+               "wide_grads": {"zero_overrides": {"reduce_bucket_size": 400}}}
     out = {name: {**fp32, **run_compiled("gpt", STEPS, compile_section=section, grad_steps=2,
-                                         **coalesced.get(name, {}))}
+                                         **buckets.get(name, {}))}
            for name, section in FP32_OPTIONS.items()}
     # SGD under autocast: the first update is bounded like the gradient (see test_pipeline.py); the step-0
     # gradients of the fp32 run above are the fp32 reference (same start, same data, before any update)
@@ -106,6 +109,8 @@ def test_fp32_option_matches_eager_zero3(results, option):
     if option in ("traced", "prefetch2"):
         assert all(out[option]["planned_peak"] > out["none"]["planned_peak"] > 0 for out in results), [
             (out[option]["planned_peak"], out["none"]["planned_peak"]) for out in results]
+    if option == "wide_grads":  # the tied embedding's gradient, summed in place, is one of them every backward
+        assert all(out[option]["counters"]["grads_reduced_in_place"] >= STEPS for out in results)
     if option == "default_partitioner":  # the option took effect: parameters are saved for backward
         assert all(out[option]["saved"]["param_bytes"] > 0 for out in results)
     else:

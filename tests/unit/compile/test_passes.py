@@ -777,3 +777,38 @@ def test_in_place_sums_write_into_an_operand_that_dies_there_and_sum_the_same():
     after = [call for call in gpt.runtime.calls if call[0] == "reduce"]
     assert len(after) == len(before) == len(gpt.fw_args) - 2  # every parameter's gradient, once
     assert all(a[1] == b[1] and torch.equal(a[2], b[2]) for a, b in zip(after, before))
+
+
+def test_owned_reduces_are_those_whose_gradient_storage_nothing_else_reads():
+    """``owned_reduces_pass`` (eager backend): a reduce calls ``run_reduce_owned`` where its gradient, and every alias
+    back to the fresh ATen result whose storage it is, is read by the next alone: a sum written into its operand, a
+    view of a matmul. Not a gradient read again, one whose storage a graph output holds, a graph input, or a
+    gather's buffer. The runtime is told so; the gradients it receives are the same."""
+    from deepspeed.compile.graph.in_place import in_place_sums_pass, owned_reduces_pass
+    from deepspeed.compile.runtime.ops import run_reduce_owned
+    runtime = FakeRuntime({0: torch.randn(4, 4)})
+
+    def bw(a, b):
+        REDUCE(torch.mm(a, b) + torch.mm(b, a), runtime.id, 1, None, [])  # owned, once summed in place
+        REDUCE(torch.mm(a, b).view(16), runtime.id, 2, None, [])  # owned: a view of a fresh result
+        again = torch.mm(a, b)
+        REDUCE(again, runtime.id, 3, None, [])  # read again below
+        REDUCE(a, runtime.id, 4, None, [])  # a graph input
+        kept = torch.mm(b, a)
+        REDUCE(kept.t(), runtime.id, 5, None, [])  # its storage is a graph output
+        REDUCE(GATHER(b, runtime.id, 0, None, [], ""), runtime.id, 6, None, [])  # the runtime's buffer
+        return again.sum(), kept
+
+    gm = trace(bw, (4, 4), (4, 4))
+    args = [torch.randn(4, 4), torch.randn(4, 4)]
+    gm(*args)
+    before = [call for call in runtime.calls if call[0] == "reduce"]
+    in_place_sums_pass(gm)
+    assert owned_reduces_pass(gm) == 2
+    assert [n.args[2] for n in gm.graph.nodes if n.target is run_reduce_owned] == [1, 2], gm.code
+    gm.recompile()
+    runtime.calls.clear()
+    gm(*args)
+    after = [call for call in runtime.calls if call[0] == "reduce"]
+    assert runtime.owned == [1, 2]
+    assert [c[1] for c in after] == [c[1] for c in before] and all(torch.equal(a[2], b[2]) for a, b in zip(after, before))
