@@ -30,12 +30,9 @@ def _receives(operand, node: Node) -> bool:
     result aliases no input), read by nothing else (so no view of it lives either), with the sum's dtype and shape,
     and its strides too unless only gradient reduces read the sum (they take any layout: a tied weight's head
     gradient is often a transposed matmul, the sum then the transpose's layout, the embedding's gradient not)."""
-    if not isinstance(operand, Node) or operand.op != "call_function" or len(operand.users) != 1:
-        return False
-    # not our ops: a gather's result is the runtime's buffer
-    if type(operand.target) is not torch._ops.OpOverload or operand.target.namespace != "aten":
-        return False
-    if alias_source(operand) is not None:
+    # read by nothing but the sum, and (not a view) the storage's own tensor; not our ops: a gather's result is the
+    # runtime's buffer
+    if not _owned(operand, node) or alias_source(operand) is not None:
         return False
     mine, result = operand.meta.get("val"), node.meta.get("val")
     if not (_plain_layout(mine) and _plain_layout(result) and mine.dtype == result.dtype
