@@ -31,6 +31,8 @@ import io
 import os
 import pstats
 import resource
+import signal
+import subprocess
 import sys
 import time
 
@@ -40,6 +42,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import worker  # noqa: E402  (sets up the checkout's deepspeed.compile)
 from benchmarks.models import make_batch, make_model, size_arg  # noqa: E402
+
+
+def start_perf(path: str) -> subprocess.Popen:
+    """``perf record -g`` attached to this process, writing ``path``; stopped with SIGINT by the caller."""
+    recorder = subprocess.Popen(["perf", "record", "-g", "-p", str(os.getpid()), "-o", path],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # perf attaches asynchronously: the step must not start before it samples
+    return recorder
 
 
 def time_alone(optimizer: torch.optim.Optimizer, rank: int) -> None:
@@ -189,6 +199,8 @@ def main() -> None:
     p.add_argument("--fresh", type=worker.elements, default=0,
                    help="write this many new partition-sized tensors right before each engine.step(), timed")
     p.add_argument("--ops", action="store_true", help="the last step's engine.step() by torch operator")
+    p.add_argument("--perf", default="", metavar="FILE", help="rank 0's last engine.step() sampled by `perf record "
+                   "-g` into FILE (then `perf report -i FILE --stdio`): where its CPU time goes, the kernel's included")
     p.add_argument("--malloc", action="store_true", help="rank 0's RSS and glibc's heaps at each phase's end")
     p.add_argument("--sub-group-size", type=worker.elements, default=0,
                    help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
@@ -227,6 +239,10 @@ def main() -> None:
                   f"{sorted({str(g.dtype) for g in grads})}, all contiguous {all(g.is_contiguous() for g in grads)}")
         fresh = write_fresh(args.fresh, partition)
         threads = thread_cpu() if last and args.threads else {}
+        recorder, attach = None, time.perf_counter()
+        if last and args.perf and rank == 0:
+            recorder = start_perf(args.perf)
+            t2 += time.perf_counter() - attach  # the optimizer phase printed leaves perf's attach out
         before, cpu = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
         if last and args.ops:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ops:
@@ -236,6 +252,9 @@ def main() -> None:
         else:
             optimizer_step()
         after, cpu = resource.getrusage(resource.RUSAGE_SELF), time.process_time() - cpu
+        if recorder is not None:
+            recorder.send_signal(signal.SIGINT)
+            recorder.wait(timeout=60)
         if threads:
             spent = {key: seconds - threads.get(key, 0.0) for key, seconds in thread_cpu().items()}
             print(f"rank {rank}, threads: {len(spent)}; CPU seconds in engine.step() by thread: " + ", ".join(
@@ -253,7 +272,8 @@ def main() -> None:
                 mappings = sum(1 for _ in f)
             optimizer_s = time.perf_counter() - t2 - sum(fresh)
             print(f"step {step}: {mappings} mappings; forward {t1 - t0:.2f} s, backward {t2 - t1:.2f} s, optimizer "
-                  f"{optimizer_s:.2f} s (CPU {cpu:.2f} s, page faults {after.ru_minflt - before.ru_minflt}"
+                  f"{optimizer_s:.2f} s (CPU {cpu:.2f} s: user {after.ru_utime - before.ru_utime:.2f}, system "
+                  f"{after.ru_stime - before.ru_stime:.2f}; page faults {after.ru_minflt - before.ru_minflt}"
                   f" minor {after.ru_majflt - before.ru_majflt} major, context switches "
                   f"{after.ru_nvcsw - before.ru_nvcsw} voluntary {after.ru_nivcsw - before.ru_nivcsw} involuntary)",
                   flush=True)
