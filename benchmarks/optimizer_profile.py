@@ -22,7 +22,10 @@ ago. ``--sub-group-size N`` sets ZeRO-3's ``sub_group_size`` (DeepSpeed's defaul
 elements in one flat partition, which Adam steps on in one piece). ``--ops`` prints the last step's ``engine.step()``
 by torch operator (``torch.profiler``, CPU time, rank 0). ``--malloc`` prints, at each phase's end, rank 0's
 resident memory beside what glibc's allocator holds (``mallinfo2``: its heaps, the free bytes in them, its mapped
-blocks): how much of the process's RSS is memory the allocator keeps after it was freed.
+blocks): how much of the process's RSS is memory the allocator keeps after it was freed. Each step's line splits the
+optimizer phase's CPU time into user and system time; ``--perf FILE`` samples rank 0's last ``engine.step()`` with
+``perf record -g`` (``perf report -i FILE --stdio --no-children --sort sym``): where the kernel's share goes, the
+zeroing of new pages included.
 """
 import argparse
 import cProfile
