@@ -207,10 +207,12 @@ def main() -> None:
     p.add_argument("--malloc", action="store_true", help="rank 0's RSS and glibc's heaps at each phase's end")
     p.add_argument("--sub-group-size", type=worker.elements, default=0,
                    help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
+    p.add_argument("--adam", choices=("torch", "deepspeed"), default="torch", help="as run.py's --adam")
     args = p.parse_args()
     row_args = worker.parse_args(["--row", args.row, "--model", args.model, "--size", args.size, "--dtype", args.dtype,
                                   "--backend", args.backend,
-                                  "--zero-settings", args.zero_settings, "--sub-group-size", str(args.sub_group_size)])
+                                  "--zero-settings", args.zero_settings, "--sub-group-size", str(args.sub_group_size),
+                                  "--adam", args.adam])
     if args.row.startswith("fsdp2") or args.row == "local":
         p.error("--row: a DeepSpeed row (the optimizer step profiled is engine.step())")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -60,7 +60,7 @@ Step = Tuple[Callable[[Tuple[torch.Tensor, ...]], torch.Tensor], Callable[[torch
 
 
 def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optional[Dict[str, Any]],
-              zero_settings: str = "tuned", stage: int = 3, hidden: int = 0) -> Dict[str, Any]:
+              zero_settings: str = "tuned", stage: int = 3, hidden: int = 0, adam: str = "torch") -> Dict[str, Any]:
     """One ZeRO config for every DeepSpeed row (stage 3 unless ``stage``). ``tuned``: buckets sized to the model
     (reduce a quarter of it, prefetch an eighth), nothing persistent.
     ``defaults``: the ZeRO section says only the stage, as most users' configs do (DeepSpeed's 5e8-element
@@ -68,13 +68,15 @@ def ds_config(dtype: str, model_numel: int, batch: int, compile_section: Optiona
     optimizer on the CPU (``offload_param`` and ``offload_optimizer``, as Hugging Face's "zero3 offload" config).
     ``hf-auto``: Hugging Face's ZeRO-2 / ZeRO-3 example configs with their "auto" values filled in as its Trainer
     fills them from the model's ``hidden`` size (buckets of about one hidden x hidden weight, parameters under
-    10 x hidden elements persistent, reuse distance and live parameters 1e9, ``overlap_comm``), offload left off."""
+    10 x hidden elements persistent, reuse distance and live parameters 1e9, ``overlap_comm``), offload left off.
+    ``adam``: AdamW as torch's (``"torch_adam": true``) or, ``"deepspeed"``, as a section naming only AdamW gets it
+    (DeepSpeed's FusedAdam, on CPU its C++ kernel)."""
     bucket = int(max(model_numel // 4, 1 << 16))
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, **({"torch_adam": True} if adam == "torch" else {})}},
         # prefetch: about one block of the large Llama ahead (an eighth of the model), for every DeepSpeed row
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                               "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
@@ -123,8 +125,7 @@ def build_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> Tuple[S
         section = {"deepcompile": True, "partitioner": "min_cut", **ROW_SECTIONS.get(args.row, {})}
     stage = 1 if "zero1" in args.row else 2 if "zero2" in args.row else 3
     config = ds_config(args.dtype, parameter_count(model), size_of(args.size).batch, section, args.zero_settings,
-                       stage,
-                       hidden=size_of(args.size).dim)
+                       stage, hidden=size_of(args.size).dim, adam=args.adam)
     if args.sub_group_size:
         config["zero_optimization"]["sub_group_size"] = args.sub_group_size
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
@@ -355,6 +356,10 @@ def add_setting_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sub-group-size", type=elements, default=0,
                    help="ZeRO-3's sub_group_size for the DeepSpeed rows (elements an optimizer step takes at once; "
                         "0: as --zero-settings has it, DeepSpeed's 1e9 unless hf-auto)")
+    p.add_argument("--adam", choices=("torch", "deepspeed"), default="torch",
+                   help="the DeepSpeed rows' AdamW: torch's (\"torch_adam\": true; out of place, two temporaries the "
+                        "size of what it steps on) or DeepSpeed's own, as a section naming only \"AdamW\" gets (its "
+                        "FusedAdam: on CPU a C++ kernel built on first use, in place)")
     p.add_argument("--activation-memory-budget", type=float, default=1.0,
                    help="torch's partitioner budget (torch._functorch.config.activation_memory_budget) for every "
                         "compiled row alike; below 1.0 it recomputes more to save fewer activations")
@@ -362,7 +367,7 @@ def add_setting_args(p: argparse.ArgumentParser) -> None:
 
 def setting_argv(args: argparse.Namespace) -> List[str]:
     return ["--zero-settings", args.zero_settings, "--fsdp2-autocast", args.fsdp2_autocast,
-            "--sub-group-size", str(args.sub_group_size),
+            "--sub-group-size", str(args.sub_group_size), "--adam", args.adam,
             "--activation-memory-budget", str(args.activation_memory_budget)]
 
 

@@ -166,3 +166,15 @@ def test_labels_has_a_transformers_model_compute_its_own_shifted_loss():
     assert not torch.allclose(plain(idx, targets), shifted, rtol=1e-3, atol=0)  # the default: unshifted
     with pytest.raises(ValueError, match="labels"):
         make_model("gpt", "small", labels=True)
+
+
+@pytest.mark.parametrize("adam, torch_adam", [("torch", True), ("deepspeed", None)])
+def test_adam_setting_reaches_every_worker_s_deepspeed_config(adam, torch_adam):
+    """``run.py --adam`` is handed to each worker (``setting_argv``) and decides the DeepSpeed rows' optimizer
+    section: torch's AdamW, or the section a user naming only AdamW writes (DeepSpeed then builds its FusedAdam)."""
+    from benchmarks.worker import LR, ds_config, parse_args as worker_args, setting_argv
+    args = parse_args(["--adam", adam])
+    row = worker_args(["--row", "zero3", *setting_argv(args)])
+    assert row.adam == adam
+    config = ds_config("fp32", 1000, 2, None, row.zero_settings, adam=row.adam)
+    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": LR, **({"torch_adam": True} if torch_adam else {})}}
