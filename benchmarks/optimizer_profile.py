@@ -34,6 +34,7 @@ import io
 import os
 import pstats
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -213,6 +214,8 @@ def main() -> None:
                                   "--backend", args.backend,
                                   "--zero-settings", args.zero_settings, "--sub-group-size", str(args.sub_group_size),
                                   "--adam", args.adam])
+    if args.perf and shutil.which("perf") is None:
+        p.error("--perf: Linux's perf is not on PATH (install linux-perf or linux-tools)")
     if args.row.startswith("fsdp2") or args.row == "local":
         p.error("--row: a DeepSpeed row (the optimizer step profiled is engine.step())")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
