@@ -5,10 +5,15 @@
 # Extra arguments go to benchmarks/main_job.py (e.g. --steps 20 --backend inductor).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
-. .venv/bin/activate
+# MAIN_JOB_VENV: run in that venv as it is (scripts/try_torch.sh: another torch release) instead of .venv
+if [ -n "${MAIN_JOB_VENV:-}" ]; then
+    . "$MAIN_JOB_VENV/bin/activate"
+else
+    bash scripts/setup_env.sh
+    . .venv/bin/activate
+fi
 export DS_ACCELERATOR=cpu
-export TORCH_EXTENSIONS_DIR="$PWD/build/torch_extensions"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
 export TORCHINDUCTOR_CACHE_DIR="$PWD/build/inductor_cache"
 export OMP_NUM_THREADS=1
 export PYTHONWARNINGS=ignore

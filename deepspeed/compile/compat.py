@@ -26,7 +26,7 @@ from .adapters import ADAPTERS, ALL, Z12, Z3
 
 log = logging.getLogger(__name__)
 
-SUPPORTED: Dict[str, str] = {"torch": ">=2.13,<2.14", "deepspeed": ">=0.19.8,<0.20"}
+SUPPORTED: Dict[str, str] = {"torch": ">=2.13,<2.16", "deepspeed": ">=0.19.8,<0.20"}
 ALLOW_ENV = "DEEPSPEED_COMPILE_ALLOW_VERSIONS"
 
 # (module, class or None for the module itself, attributes, stages): what the package rebinds (its adapters'

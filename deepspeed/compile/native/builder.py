@@ -5,7 +5,8 @@
 (DeepSpeed's usual JIT cache; torch's default is ``~/.cache/torch_extensions``) and loads the shared library
 into the process, which registers the ``torch.ops.dsc_native`` ops. The library is a plain ``TORCH_LIBRARY``
 library, not a Python module, so it is loaded with ``is_python_module=False``; later loads only re-check the
-cache (ninja) and are quick. The CUDA kernel is compiled only where torch sees a GPU and ``CUDA_HOME`` is set.
+cache (ninja) and are quick. The CUDA kernel is compiled only where torch is a CUDA build, ``CUDA_HOME`` is set,
+and torch sees a GPU (or ``DEEPSPEED_COMPILE_NATIVE_CUDA=1`` asks for it).
 """
 import logging
 import os
@@ -25,6 +26,8 @@ _SOURCE_DIR_CANDIDATES = (_PACKAGE_DIR / "csrc" / "compile", _PACKAGE_DIR.parent
 _COMMON_SOURCES = ("dsc_native.cpp", "cast_all_gather_cpu.cpp")
 _CUDA_SOURCES = ("cast_all_gather_cuda.cpp", )
 _HEADERS = ("dsc_native.h", )
+# builds the CUDA kernel in where torch sees no GPU (a CUDA build of torch and CUDA_HOME are still needed)
+FORCE_CUDA_ENV = "DEEPSPEED_COMPILE_NATIVE_CUDA"
 
 
 def find_source_dir() -> Optional[Path]:
@@ -50,10 +53,12 @@ class NativeOpBuilder(OpBuilder):
 
     # ----- what is compiled ------------------------------------------------------------------------------
     def with_cuda(self) -> bool:
-        """Whether the CUDA kernel is compiled in: a GPU torch can see, and a CUDA toolkit (``CUDA_HOME``)."""
+        """Whether the CUDA kernel is compiled in: a CUDA build of torch and a CUDA toolkit (``CUDA_HOME``), and a GPU
+        torch can see, or ``FORCE_CUDA_ENV=1`` (a build without a GPU: ``scripts/build_native_cuda.py``)."""
         import torch
         from torch.utils.cpp_extension import CUDA_HOME
-        return torch.cuda.is_available() and torch.version.cuda is not None and CUDA_HOME is not None
+        wanted = torch.cuda.is_available() or os.environ.get(FORCE_CUDA_ENV) == "1"
+        return wanted and torch.version.cuda is not None and CUDA_HOME is not None
 
     def sources(self) -> List[str]:
         """Absolute paths of the C++ sources (the base class would resolve relative ones against DeepSpeed)."""

@@ -26,7 +26,7 @@ def test_another_release_is_refused_naming_both_versions_before_the_engine_is_to
     with pytest.raises(RuntimeError) as raised:
         engine_state.activate_z3(None, "eager", None)
     message = str(raised.value)
-    assert "deepspeed 0.20.1 (supported: >=0.19.8,<0.20)" in message and "torch >=2.13,<2.14" in message, message
+    assert "deepspeed 0.20.1 (supported: >=0.19.8,<0.20)" in message and "torch >=2.13,<2.16" in message, message
     assert compat.ALLOW_ENV in message
     with pytest.raises(RuntimeError):
         engine_state.activate_z12(None, "eager", None)
@@ -35,11 +35,11 @@ def test_another_release_is_refused_naming_both_versions_before_the_engine_is_to
 def test_the_override_turns_the_refusal_into_a_warning(monkeypatch, caplog):
     import torch
     from deepspeed.compile import compat
-    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    monkeypatch.setattr(torch, "__version__", "2.16.0")
     monkeypatch.setenv(compat.ALLOW_ENV, "1")
     with caplog.at_level("WARNING", logger=compat.log.name):
         compat.check(3)
-    assert "torch 2.14.0 (supported: >=2.13,<2.14)" in caplog.text
+    assert "torch 2.16.0 (supported: >=2.13,<2.16)" in caplog.text
 
 
 def test_local_builds_and_prereleases_of_a_supported_release_count_as_it():
@@ -47,7 +47,7 @@ def test_local_builds_and_prereleases_of_a_supported_release_count_as_it():
     assert compat.version_problems({"torch": "2.13.0+cpu", "deepspeed": "0.19.8"}) == []
     assert compat.version_problems({"torch": "2.13.1a0+git0123", "deepspeed": "0.19.9"}) == []
     assert compat.version_problems({"torch": "2.12.1", "deepspeed": "0.19.7"}) == [
-        "torch 2.12.1 (supported: >=2.13,<2.14)", "deepspeed 0.19.7 (supported: >=0.19.8,<0.20)"]
+        "torch 2.12.1 (supported: >=2.13,<2.16)", "deepspeed 0.19.7 (supported: >=0.19.8,<0.20)"]
 
 
 def test_a_rebound_attribute_gone_or_changed_is_named():
