@@ -76,19 +76,20 @@ def test_docs_use_no_workflow_vocabulary(path: Path):
 
 
 # ---- (b) every config key documented with its default -----------------------------------------------------------
-def key_tables(text: str) -> Dict[str, str]:
-    """Rows of the Markdown tables whose header starts ``| key | default |``: key -> the default's cell."""
-    rows, in_table = {}, False
+def key_tables(text: str) -> Dict[str, Tuple[str, str]]:
+    """Rows of the Markdown tables whose header is ``| key | type | default | effect |``: key -> (type, default) cells.
+    A key cell is one `name`, or a link to the key's own section."""
+    rows, columns = {}, None
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
         if cells is None:
-            in_table = False
-        elif cells[:2] == ["key", "default"]:
-            in_table = True
-        elif in_table and not set(cells[0]) <= set("-: "):
-            key = re.fullmatch(r"`(\w+)`", cells[0])
+            columns = None
+        elif cells[:3] == ["key", "type", "default"]:
+            columns = cells
+        elif columns and not set(cells[0]) <= set("-: "):
+            key = re.fullmatch(r"\[?`(\w+)`(?:\]\(#[\w-]+\))?", cells[0])
             assert key, f"docs/config.md: a key cell that is not one `name`: {cells[0]!r}"
-            rows[key.group(1)] = cells[1]
+            rows[key.group(1)] = (cells[1], cells[2])
     return rows
 
 
@@ -108,7 +109,7 @@ def test_every_config_key_is_documented_with_its_default():
     assert not stale, f"docs/config.md documents keys CompileConfig no longer has: {stale}"
     wrong = {}
     for name, field in fields.items():
-        cell = documented[name]
+        cell = documented[name][1]
         value = re.fullmatch(r"`(.+)`", cell)
         try:
             shown = json.loads(value.group(1)) if value else cell
