@@ -13,7 +13,8 @@ for a DeepCompile row what its engine report counted over the timed steps, per s
 collectives (the exposed all-gather wait, ZeRO-3 only, and the reduce wait) and the number of collectives. With
 several rows each timed batch runs once per row, back to back, in the order given for even batches and reversed for
 odd ones (so no row always runs after the same one, and a drift over the launch weighs on every row alike), and the
-median of the per-batch ratios to the first row is printed with a 95% interval (a bootstrap over the batches): the
+median of the first row's step over each other row's, per batch, is printed with a 95% interval (a bootstrap over
+the batches; ours / baseline with the row under test first, below 1 better): the
 rows share the machine's state from one moment to the next, so a ratio of a few percent can be seen here, where
 separate launches differ by 10-25%. ``--op-calls`` (one value per row) compiles a row's eager-backend graphs calling
 ATen ops through their ``OpOverload``, as FX writes them, instead of the C++ functions behind them (``direct``, what
@@ -160,6 +161,15 @@ def graph_op_calls(calls: str):
         eager_code.direct_op_calls = direct
 
 
+def paired_ratio(first: List[float], other: List[float]) -> str:
+    """The first row's step over another row's, per batch (ours / baseline with the row under test first: below 1,
+    the first row's step is shorter): the median of the per-batch ratios and its 95% interval."""
+    ratios = [a / b for a, b in zip(first, other)]
+    low, high = median_interval(ratios)
+    return f"; the first row's step over this row's, per batch: median {statistics.median(ratios):.3f}x " \
+        f"(95% {low:.3f}-{high:.3f})"
+
+
 def median_interval(values: List[float], resamples: int = 2000, seed: int = 0) -> Tuple[float, float]:
     """A 95% interval for the median of ``values``: the 2.5th and 97.5th percentiles of the medians of ``resamples``
     resamples with replacement (a percentile bootstrap; seeded, so a launch's figures can be recomputed)."""
@@ -294,10 +304,7 @@ def main() -> None:
                 parts = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases[r].items())
                 ratio = ""
                 if r:
-                    ratios = [a / b for a, b in zip(steps[r], steps[0])]
-                    low, high = median_interval(ratios)
-                    ratio = (f"; over the first row, per step: median {statistics.median(ratios):.3f}x "
-                             f"(95% {low:.3f}-{high:.3f})")
+                    ratio = paired_ratio(steps[0], steps[r])
                 comm = comm_summary(before[r], after[r], len(timed))
                 print(f"{label}: step {statistics.median(steps[r]):.3f} s ({parts}){ratio}; "
                       f"page faults {statistics.median(faults[r]):.0f}/step{comm}")

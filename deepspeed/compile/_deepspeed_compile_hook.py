@@ -68,7 +68,7 @@ def use_source_checkout(package: str, build_dir: str) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(build_dir, "torch_extensions"))
     # TORCHINDUCTOR_COMPILE_THREADS stays torch's (a worker pool for inductor's C++ kernels): compiled in-process,
-    # two ranks serialized on the kernel cache's file locks (both build the same kernels; one waited while the other
-    # ran gcc; docs/history/2026-12.md)
+    # two ranks serialized on the kernel cache's file locks (both build the same kernels; one waits while the other
+    # runs gcc; docs/history/2026-12-04.md, "Test set-up: inductor's kernels compile in torch's worker pool")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(build_dir, "inductor_cache"))
     install()

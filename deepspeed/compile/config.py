@@ -17,15 +17,17 @@ Partitioner = Literal["min_cut", "default"]
 
 
 class CompileConfig(DeepSpeedConfigModel):
-    """Settings for ``engine.compile()``; ``deepcompile`` selects this module's ZeRO-3 pipeline."""
+    """Settings for ``engine.compile()``; ``deepcompile`` selects this module's pipeline for the engine's ZeRO stage."""
 
     # --- stock fields (DeepSpeed's engine reads several; their names and defaults are the engine's contract) ----
-    deepcompile: bool = Field(False, description="run ZeRO-3 through this module's compiled pipeline")
+    deepcompile: bool = Field(False, description="with engine.compile(): run this module's compiled pipeline for the "
+                              "engine's ZeRO stage (3, or 1 and 2; 0 with 'autosp' only)")
     autoep_non_moe: bool = Field(False, description="stock AutoEP region compile, handled by the engine itself")
-    passes: Optional[List[PassName]] = Field(None, description="stock pass composition; None or ['z3'] run "
-                                             "this pipeline, 'autosp' adds sequence parallelism to it (taken out "
-                                             "of the list, see sequence_parallel), 'autotp' falls back to "
-                                             "torch.compile")
+    passes: Optional[List[PassName]] = Field(None, description="stock pass composition; None, ['z1'] or ['z3'] run "
+                                             "the pipeline of the engine's ZeRO stage, 'autosp' adds sequence "
+                                             "parallelism to it, 'autotp' places AutoTP's collectives in ZeRO-1/2's "
+                                             "graphs (ZeRO-3: plain torch.compile); both taken out of the list at "
+                                             "stages 1-3, see sequence_parallel and tensor_parallel")
     offload_parameters: bool = Field(False, description="ZeRO-3 with offload_param to cpu: runs (the engine sets it); "
                                      "otherwise not implemented, falls back")
     offload_opt_states: bool = Field(False, description="stock offload: not implemented, falls back")
@@ -76,9 +78,9 @@ class CompileConfig(DeepSpeedConfigModel):
     """``"model"``: the whole model is captured as one forward and one backward graph (per graph break), so the
     schedule prefetches across its blocks. ``"blocks"``: each repeated block (the members of an ``nn.ModuleList`` of
     two or more modules of one class: a transformer's layers) is compiled as a graph of its own, and the graph
-    compiled for the first block serves every block: the backend compiles one block instead of the whole model
-    (inductor's first step takes a fraction of the time), at the price of a blocking gather at the start of each
-    block's forward and backward (``driver/regions.py``)."""
+    compiled for the first block serves every block: the backend compiles one block instead of the whole model, so
+    the first step stays flat with depth, and each step enters every block's graph from Python; gathers are
+    prefetched across block boundaries from the second step on (``driver/regions.py``)."""
     eager_graph_code: Literal["direct", "fx"] = "direct"
     """With ``backend="eager"``: the code a final graph runs as. ``"direct"``: FX's generated code made a generator
     (its frame on the heap, not CPython's data stack) calling each ATen op through the C++ function behind its

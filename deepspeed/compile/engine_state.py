@@ -249,8 +249,7 @@ def _activate(engine, runtime, stage: int, backend: str, compile_config: Compile
         compile_kwargs = compile_kwargs or {}
         # the graphs outside the blocks (the model's frame around them, the leaf regions) each hold one embedding,
         # norm, head or loss: little for inductor to fuse, yet a forward and a backward code generation and C++ build
-        # each (on GPT-2 355M a third of inductor's first-step time, docs/benchmarks.md): the eager backend compiles
-        # them under inductor
+        # each: the eager backend compiles them under inductor
         outside = make_backend(runtime, state.stats, compile_config, "eager", on_failure) if (
             backend == "inductor") else compile_graph
         regions.install(engine.module, compile_graph, graphs_of(runtime).leaf_regions,

@@ -3,10 +3,10 @@
 
 FX generates a graph's ``forward`` as Python source. Run as it is (``"fx"``), each call of a graph pays for CPython's
 handling of a frame with a local per node and for ``OpOverload.__call__`` on every ATen op. ``"direct"`` (the
-default) rewrites that source in two ways, each measured in docs/benchmarks.md: the function becomes a generator, so
-its frame lives on the heap instead of CPython's data stack (:func:`heap_frame_function`), and each ATen op is called
-through the C++ function behind its ``OpOverload`` (:func:`direct_op_calls`). The arithmetic is the same op by op:
-the two agree bit for bit (``test_passes.py``).
+default) rewrites that source in two ways (what each saved: docs/history/2026-12-03.md and 2026-12-04.md): the
+function becomes a generator, so its frame lives on the heap instead of CPython's data stack
+(:func:`heap_frame_function`), and each ATen op is called through the C++ function behind its ``OpOverload``
+(:func:`direct_op_calls`). The arithmetic is the same op by op: the two agree bit for bit (``test_passes.py``).
 """
 import itertools
 import linecache
@@ -62,9 +62,9 @@ def heap_frame_function(gm: GraphModule) -> Callable:
     and unmapped as calls need them. A graph's function has a local per node (over a thousand in the benchmark
     Llama's backward), so where it leaves its chunk nearly full, every op it calls maps a fresh chunk and unmaps it
     on return: a page fault and two system calls per op, depending only on how deep the stack happened to be
-    (docs/benchmarks.md, "The eager backend's graphs off CPython's data stack"). A generator's frame lives in the
-    generator object, so the graph's callees get the stack's room below it. Source lines stay in tracebacks
-    (registered with ``linecache``). Its ATen ops are called directly (:func:`direct_op_calls`)."""
+    (docs/history/2026-12-03.md, "ZeRO-1/2: the eager backend's graphs off CPython's data stack"). A generator's
+    frame lives in the generator object, so the graph's callees get the stack's room below it. Source lines stay in
+    tracebacks (registered with ``linecache``). Its ATen ops are called directly (:func:`direct_op_calls`)."""
     code = gm.graph.python_code(root_module="self")
     lines = code.src.split("\n")
     at = next(i for i, line in enumerate(lines) if line.startswith("def forward("))

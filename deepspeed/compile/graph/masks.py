@@ -4,8 +4,8 @@
 ``transformers`` decides between a causal mask tensor and SDPA's ``is_causal`` by reading values: eagerly it finds
 the positions consecutive and no token padded, and passes ``is_causal=True``; under tracing it cannot read them, so
 the graph builds the ``[B, 1, S, S]`` mask from ``arange``s (the packed-sequence check of a model run without a
-cache, as in training) and attention takes the masked kernel, which on CPU took 1.7-1.8x the causal one's time at
-2048 tokens. Where such a mask depends on no input of the graph and its sizes are concrete, it is a constant: this
+cache, as in training) and attention takes the masked kernel, which cannot skip the masked half as the causal one
+does. Where such a mask depends on no input of the graph and its sizes are concrete, it is a constant: this
 pass computes it once at compile time, and where it is exactly the causal pattern of a square attention (what
 ``is_causal=True`` applies), the attention gets ``is_causal=True`` and no mask, as the eager model does. A mask
 computed from an input (a padding mask, given position ids) or over symbolic sizes cannot be decided at compile

@@ -25,9 +25,9 @@ them, so the agreement comes before a backward's first gradient is accumulated o
 run on one rank alone); a frame past the recompile limit runs as Python and hands its gradients over the same way, so
 the ranks' collectives stay the same and nothing is agreed.
 
-The all-reduce goes through the runtime's transport: a few bytes through shared memory (45 us with 2 ranks), or one
-gloo all-reduce (310 us) through the process group (``benchmarks/gloo_collectives.py``). It applies where the process
-group is gloo (the CPU path); on NCCL it would make the host wait for the device at every graph.
+The all-reduce goes through the runtime's transport: a few bytes through shared memory, or one small gloo all-reduce
+through the process group (its cost: docs/benchmarks.md, "Shared memory against the process group"). It applies where
+the process group is gloo (the CPU path); on NCCL it would make the host wait for the device at every graph.
 ``compile.agree_on_failures: false`` turns it off: a failure is then only posted through shared memory
 (``HostComm.post_failure``), and through the process group the ranks may go on different paths.
 """

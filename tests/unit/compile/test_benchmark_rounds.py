@@ -9,7 +9,7 @@ import pytest
 from checkout import REPO_ROOT
 
 sys.path.insert(0, REPO_ROOT)
-from benchmarks.run import _per_round, check_losses, merge_rounds, parse_args, phase_table  # noqa: E402
+from benchmarks.run import _per_round, check_losses, merge_rounds, parse_args, phase_table, ratios, table  # noqa: E402
 
 
 def _result(row: str, median: float, loss: float = 7.0, dtype: str = "fp32") -> dict:
@@ -54,6 +54,22 @@ def test_ratio_per_round_pairs_the_launches_of_one_round():
     assert _per_round(merge_rounds([_result("zero3", 0.5)]), base) == ""  # one round: no per-round column
 
 
+def test_every_printed_ratio_is_ours_over_the_baseline():
+    """One convention in everything the benchmarks print: ours / baseline, below 1 better."""
+    results = [_result("zero3", 0.5), _result("ours-mincut", 0.4)]
+    results[1]["peak_above_start_bytes"] = 1 << 19
+    check_losses(results)
+    for r in results:
+        r.update(first_step_s=1.0, peak_bytes=None, saved_param_bytes=None, saved_other_bytes=None,
+                 allgather_bytes_per_step=None, reduce_scatter_bytes_per_step=None)
+    assert "| step / zero3 step |" in table(results)
+    assert "| fp32 | ours-mincut[eager] | 0.400 | 0.80x |" in table(results)
+    assert "ours-mincut[eager] / zero3: step 0.80x, peak above start 0.50x" in ratios(results)
+    from benchmarks.steady_step import paired_ratio
+    text = paired_ratio([0.4, 0.4, 0.4], [0.5, 0.5, 0.5])  # the row under test first, its step shorter
+    assert "the first row's step over this row's, per batch: median 0.800x (95% 0.800-0.800)" in text
+
+
 def test_the_local_floor_is_not_loss_checked_nor_the_reference():
     results = [_result("local", 0.2, loss=3.0), _result("zero3", 0.5), _result("ours-mincut", 0.4, loss=7.0 + 1e-9)]
     check_losses(results)
@@ -61,7 +77,7 @@ def test_the_local_floor_is_not_loss_checked_nor_the_reference():
     assert local["loss_check"] == "n/a"
     assert zero3["loss_check"] == ours["loss_check"] == "ok"
     assert ours["loss_ref"] == "zero3"
-    assert local["speedup_vs_zero3"] == pytest.approx(2.5)
+    assert local["step_vs_zero3"] == pytest.approx(0.4)  # ours / baseline: the floor's shorter step is below 1
     results = [_result("local", 0.2, loss=3.0), _result("ours-mincut", 0.4, loss=7.0), _result("fsdp2", 0.4, loss=9.0)]
     check_losses(results)  # without zero3 the first checked row is the reference, never the floor
     assert results[1]["loss_check"] == "ok" and results[2]["loss_check"] == "FAILED"
