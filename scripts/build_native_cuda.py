@@ -18,7 +18,7 @@ those whose symbols its kernels use (``libc10_cuda``, ``libcudart``: the linker 
 kernel of this build gathers bitwise what the Python path does (one gloo rank). What it does not show: that the
 CUDA kernel runs (``scripts/gpu_check.sh`` on a GPU machine).
 
-CUDA_HOME is a folder under ``build/`` that lays the wheels' files out as a toolkit is laid out (``include/``,
+CUDA_HOME is a folder in the venv that lays the wheels' files out as a toolkit is laid out (``include/``,
 ``lib64/libcudart.so``): the wheels ship ``libcudart.so.13`` only, and the linker's ``-lcudart`` wants the
 unversioned name.
 """
@@ -62,7 +62,7 @@ def cuda_home() -> Path:
     runtime = sorted((wheels / "lib").glob("libcudart.so.*"))
     if not runtime:
         raise Unavailable(f"no libcudart.so.* in {wheels / 'lib'}")
-    home = REPO_ROOT / "build" / f"cuda_home-{torch.version.cuda}"
+    home = Path(sys.prefix) / f"cuda_home-{torch.version.cuda}"  # beside the venv's build of the op: one per venv
     (home / "lib64").mkdir(parents=True, exist_ok=True)
     for link, target in ((home / "include", wheels / "include"), (home / "lib64" / "libcudart.so", runtime[0])):
         if not (link.is_symlink() and link.resolve() == target.resolve()):

@@ -16,8 +16,8 @@ started=$(date +%s)
 # the machine's pip cap on torch is lifted for this venv's installs (torch itself is pinned exactly)
 venv=$(bash scripts/setup_torch_env.sh "$version" --uncapped | tail -n 1) || exit 1
 . "$venv/bin/activate"
-echo "try_torch: $(python -c 'import torch, deepspeed; print("torch", torch.__version__, "CUDA", torch.version.cuda,
-      "deepspeed", deepspeed.__version__)') in $venv ($(( $(date +%s) - started )) s to set up)"
+echo "try_torch: $(python -c 'import importlib.metadata as m, torch; print("torch", torch.__version__, "CUDA",
+      torch.version.cuda, "deepspeed", m.version("deepspeed"))') in $venv ($(( $(date +%s) - started )) s to set up)"
 export DS_ACCELERATOR=cpu CI="${CI:-true}" TORCH_EXTENSIONS_DIR="$venv/torch_extensions"
 unset DEEPSPEED_COMPILE_ALLOW_VERSIONS
 if python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then

@@ -44,7 +44,7 @@ def test_unbuildable_op_fails_under_ci_and_skips_elsewhere():
 def test_ci_script_sets_ci_unless_the_caller_did():
     import subprocess
     script = os.path.join(os.path.dirname(__file__), "..", "..", "..", ".ci", "run")
-    line = next(l.strip() for l in open(script) if l.startswith("export CI="))
+    line = next(l.strip() for l in open(script) if l.strip().startswith("export CI="))
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     assert subprocess.run(["bash", "-c", line + '; echo "$CI"'], env=env, capture_output=True,
                           text=True).stdout.strip() == "true"
