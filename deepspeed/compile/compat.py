@@ -29,13 +29,44 @@ log = logging.getLogger(__name__)
 SUPPORTED: Dict[str, str] = {"torch": ">=2.13,<2.16", "deepspeed": ">=0.19.8,<0.20"}
 ALLOW_ENV = "DEEPSPEED_COMPILE_ALLOW_VERSIONS"
 
+# torch's private modules the package imports from, what it takes from each and the parameters it passes by name
+# (``test_compat.py`` checks that every ``from torch._...`` import of the package is listed). Each is the same in the
+# supported releases 2.13, 2.14 and 2.15: a later release that moves or changes one is refused here, naming it.
+TORCH_INTERNALS = [
+    ("torch._dynamo.convert_frame", None, {"exceeds_recompile_limit": None}, ALL),  # effects.py
+    ("torch._dynamo.types", None, {"FrameAction": None, "FrameExecStrategy": None}, ALL),  # effects.py
+    ("torch._dynamo.config", None, {"recompile_limit": None, "ignore_logging_functions": None,
+                                    "skip_fwd_side_effects_in_bwd_under_checkpoint": None}, ALL),
+    ("torch._dynamo.backends.common", None, {"aot_autograd": None}, ALL),  # driver/compiler.py
+    ("torch._dynamo.exc", None, {"RestartAnalysis": None}, ALL),
+    ("torch._dynamo.utils", None, {"counters": None}, ALL),  # runtime/eager_access.py
+    # the keywords aot_autograd hands to it: the compilers and the partition function are the package's
+    ("torch._functorch.aot_autograd", None, {"aot_module_simplified": (
+        "fw_compiler", "bw_compiler", "partition_fn", "decompositions", "keep_inference_input_mutations")}, ALL),
+    ("torch._functorch.partitioners", None, {
+        "min_cut_rematerialization_partition": ("joint_module", "_joint_inputs", "num_fwd_outputs"),
+        "default_partition": ("joint_module", "_joint_inputs", "num_fwd_outputs")}, ALL),
+    ("torch._functorch.config", None, {"enable_autograd_cache": None}, ALL),
+    ("torch._functorch._aot_autograd.schemas", None, {"SerializableAOTDispatchCompiler": ("output_code_ty",
+                                                                                          "compiler_fn")}, ALL),
+    ("torch._guards", None, {"detect_fake_mode": None}, ALL),
+    ("torch._inductor.compile_fx", None, {"compile_fx_inner": ("gm", "example_inputs"), "partition_fn": None}, ALL),
+    ("torch._inductor.config", None, {"custom_partitioner_fn": None}, ALL),
+    ("torch._inductor.custom_graph_pass", None, {"CustomPartitionerFn": None, "get_hash_for_files": ("paths", "extra")},
+     ALL),  # driver/cache.py
+    ("torch._inductor.decomposition", None, {"select_decomp_table": None}, ALL),
+    ("torch._inductor.output_code", None, {"OutputCode": None}, ALL),
+    ("torch._inductor.runtime.cache_dir_utils", None, {"cache_dir": None}, ALL),
+    ("torch._inductor.virtualized", None, {"V": None}, ALL),
+]
+
 # (module, class or None for the module itself, attributes, stages): what the package rebinds (its adapters'
 # TARGETs, adapters.py) or calls by name on objects it does not own at those ZeRO stages, each attribute with the
 # parameters it relies on (None: only that it exists). Attributes an object sets in its __init__ are checked on the
 # object (:func:`require_attributes`).
 TARGETS: List[Tuple[str, Optional[str], Dict[str, Optional[Tuple[str, ...]]], Tuple[int, ...]]] = [
     *(adapter.TARGET for adapter in ADAPTERS),
-    ("torch._dynamo.convert_frame", None, {"exceeds_recompile_limit": None}, ALL),
+    *TORCH_INTERNALS,
     ("deepspeed.runtime.engine", "DeepSpeedEngine", {
         "is_deepcompile_active": None, "is_deepcompile_enabled": None, "_set_deepcompile_active": ("active", ),
         "_cast_inputs_half": ("inputs", ), "zero_prefetch_bucket_size": None, "zero_max_reuse_distance": None,

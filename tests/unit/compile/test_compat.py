@@ -90,3 +90,25 @@ def test_pip_gets_the_checked_ranges_and_the_tests_run_on_releases_inside_them()
     for name, supported in compat.SUPPORTED.items():
         assert required[name] == supported, (name, required[name])  # a range, never an exact pin
         assert pinned[name].startswith("==") and pinned[name][2:] in SpecifierSet(supported), (name, pinned[name])
+
+
+def test_every_private_torch_name_the_package_imports_is_checked_at_activation():
+    """A torch release that moves or changes one of torch's private names the package uses is refused at
+    ``engine.compile()`` naming it (``compat.TORCH_INTERNALS``), not met as an ImportError deep inside a compile."""
+    import ast
+    from deepspeed.compile import compat
+    listed = {(module, name) for module, owner, names, _ in compat.TARGETS if owner is None for name in names}
+    # a module imported by name (``from torch._dynamo import convert_frame``) is covered by its own entry
+    listed |= {tuple(module.rsplit(".", 1)) for module, owner, _, _ in compat.TARGETS if owner is None}
+    imported = set()
+    package = os.path.join(REPO_ROOT, "deepspeed", "compile")
+    for folder, _, files in os.walk(package):
+        for file in files:
+            if file.endswith(".py"):
+                with open(os.path.join(folder, file)) as f:
+                    tree = ast.parse(f.read())
+                imported |= {(node.module, alias.name) for node in ast.walk(tree)
+                             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch._")
+                             for alias in node.names}
+    assert len(imported) >= 15, imported  # the walk found the package's imports
+    assert imported - listed == set(), sorted(imported - listed)
