@@ -283,3 +283,121 @@ def test_autosp_stays_listed_only_where_the_engine_reaches_this_module_through_i
     compile_config = DeepSpeedConfig(config).compile_config
     assert compile_config.sequence_parallel and compile_config.tensor_parallel
     assert compile_config.passes == (["autosp"] if stage == 0 else []), compile_config.passes
+
+
+class _Renamed(torch.nn.Module):
+    """A Llama whose token ids arrive under a name the rewrite does not look for (``tokens``): only a tag names them."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _model("llama")
+
+    def forward(self, tokens, targets, positions, mask):
+        return self.inner(input_ids=tokens, labels=targets, position_ids=positions, attention_mask=mask).loss
+
+
+@pytest.mark.parametrize("tagging", ["prepare_autosp_inputs", "bare keys", "none"])
+def test_the_rewrite_finds_token_ids_tagged_the_stock_way(tagging):
+    """Token ids tagged as stock's AutoSP scripts tag them, through ``prepare_autosp_inputs`` (``(key, seq_dim)``,
+    stock's values from ``deepspeed.compile.constants``) or by setting ``tensor.tag`` to the bare key, are cut where
+    they enter and every layer is split; untagged under an unknown name, nothing is."""
+    from deepspeed.compile import constants
+    from deepspeed.compile.graph.sequence import shard_sequence
+    from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
+    from deepspeed.compile.runtime import ops
+    assert (constants.AUTOSP_INPUT_ID_KEY, constants.AUTOSP_LABEL_ID_KEY, constants.AUTOSP_POSITION_ID_KEY) == (
+        "input_id", "label_id", "position_id")  # stock's values: scripts may write them out
+    seen = {}
+
+    def backend(gm, example_inputs):
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        seen["cut"] = [(placeholders[index], dim) for index, dim in shard_sequence(gm, 0, 2, 1)[1]]
+        seen["ops"] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        return gm.forward
+
+    batch = _batch(0, 0, 16)
+    ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
+    positions = torch.arange(16).unsqueeze(0).expand(2, 16).contiguous()
+    if tagging == "prepare_autosp_inputs":
+        out = prepare_autosp_inputs(ids, labels, positions, mask, seq_dim=1)
+        assert out == (ids, labels, positions, mask)
+        assert (ids.tag, labels.tag, positions.tag) == (("input_id", 1), ("label_id", 1), ("position_id", 1))
+    else:
+        for tensor in (ids, labels, positions, mask):
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        if tagging == "bare keys":
+            ids.tag, labels.tag = constants.AUTOSP_INPUT_ID_KEY, constants.AUTOSP_LABEL_ID_KEY
+            positions.tag = constants.AUTOSP_POSITION_ID_KEY
+    torch._dynamo.reset()
+    compiled = torch.compile(_Renamed(), backend=backend)
+    if tagging == "none":
+        compiled(ids, labels, positions, mask)  # nothing rewritten: runs whole, with no sequence group
+    else:
+        with pytest.raises(Exception):  # the graph is not run: no sequence group exists in this process
+            compiled(ids, labels, positions, mask)
+    torch._dynamo.reset()
+    if tagging == "none":
+        assert seen["cut"] == [] and ops.SEQ_ALL_TO_ALL not in seen["ops"], seen["cut"]
+        return
+    assert seen["cut"] == [("l_tokens_", 1)], seen["cut"]  # the token ids, along dimension 1
+    assert seen["ops"].count(ops.SEQ_ALL_TO_ALL) == 4 * 2, seen["ops"].count(ops.SEQ_ALL_TO_ALL)
+
+
+def test_prepare_autosp_inputs_refuses_as_stock_does():
+    from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    for args, kwargs, words in (((None, ids), {}, "input_id is required"), ((ids, None), {}, "label_id is required"),
+                                ((ids, ids), {"seq_dim": 2}, "seq_dim=2"), ((ids, ids), {"seq_dim": -1}, "seq_dim=-1"),
+                                ((ids, ids, torch.zeros(8)), {}, "position_id")):
+        with pytest.raises(ValueError, match=words):
+            prepare_autosp_inputs(*args, **kwargs)
+
+
+def test_sequence_group_sampler_feeds_each_group_one_shard():
+    """Ranks 0-1 and 2-3 of 4 (sequence_parallel_size 2): the ranks of a group draw the same indices, the groups
+    disjoint shards covering the data, as DistributedSampler over 2 replicas would give them."""
+    from torch.utils.data import DistributedSampler
+    from deepspeed.compile.data import SequenceGroupSampler, sequence_data_parallel
+    data = list(range(10))
+    drawn = [list(SequenceGroupSampler(data, 2, seed=3, rank=rank, world_size=4)) for rank in range(4)]
+    assert drawn[0] == drawn[1] and drawn[2] == drawn[3] and not set(drawn[0]) & set(drawn[2]), drawn
+    assert sorted(drawn[0] + drawn[2]) == data
+    assert drawn[2] == list(DistributedSampler(data, num_replicas=2, rank=1, seed=3))
+    assert sequence_data_parallel(4, rank=5, world_size=8) == (2, 1)
+    with pytest.raises(ValueError, match="sequence_parallel_size=3"):
+        sequence_data_parallel(3, rank=0, world_size=4)
+
+
+def _stock_source(relative: str):
+    """A module of stock DeepSpeed's own ``deepspeed.compile`` (installed beside this one), parsed."""
+    import ast
+    import os
+    import deepspeed
+    with open(os.path.join(os.path.dirname(deepspeed.__file__), "compile", relative)) as f:
+        return ast.parse(f.read())
+
+
+def test_stock_autosp_user_api_has_stocks_names_values_and_signatures():
+    """What a script written for stock's AutoSP imports, read from stock DeepSpeed's source: every constant of its
+    ``constants`` module with its value, and the parameters of ``prepare_autosp_inputs`` and the ``init_*`` entry
+    points, in order, with their defaults."""
+    import ast
+    import importlib
+    import inspect
+    from deepspeed.compile import constants
+    stock_constants = {node.targets[0].id: ast.literal_eval(node.value) for node in _stock_source("constants.py").body
+                       if isinstance(node, ast.Assign)}
+    assert stock_constants and all(getattr(constants, name) == value for name, value in stock_constants.items()), \
+        stock_constants
+    for module, function in (("passes/sp_compile.py", "prepare_autosp_inputs"), ("init_sp.py", "init_autosp"),
+                             ("init_tp.py", "init_autotp"), ("init_z1_and_2.py", "init_z1_and_2"),
+                             ("init_z3.py", "init_z3")):
+        stock = next(node for node in _stock_source(module).body
+                     if isinstance(node, ast.FunctionDef) and node.name == function)
+        defaults = [None] * (len(stock.args.args) - len(stock.args.defaults)) + [
+            ast.literal_eval(d) for d in stock.args.defaults]
+        expected = [(a.arg, d) for a, d in zip(stock.args.args, defaults)]
+        ours = importlib.import_module("deepspeed.compile." + module[:-3].replace("/", "."))
+        params = inspect.signature(getattr(ours, function)).parameters.values()
+        got = [(p.name, None if p.default is inspect.Parameter.empty else p.default) for p in params]
+        assert got == expected, (function, got, expected)
