@@ -22,6 +22,7 @@ from deepspeed.utils import logger
 from . import compat, effects
 from .adapters import ModuleCompile, TensorParallelDeferral
 from .integrations import ds_checkpointing
+from .composition import check_sequence_parallel
 from .config import CompileConfig, unimplemented_options
 
 if TYPE_CHECKING:
@@ -354,6 +355,7 @@ def activate_z3(engine, backend: str, compile_config: CompileConfig, schedule=No
     """Give a ZeRO-3 engine its DeepCompile state and return the dynamo backend that compiles its graphs (None:
     fall back to plain ``torch.compile``)."""
     compat.check(3)  # a torch or DeepSpeed the package was not written for: refused before any change
+    check_sequence_parallel(engine, compile_config)  # before any change
     if not _check_options(compile_config, backend, schedule, param_offload_device(engine)):
         return None
     if compile_config.tensor_parallel:
@@ -379,6 +381,7 @@ def activate_z12(engine, backend: str, compile_config: CompileConfig, schedule=N
     """Give a ZeRO-1 or ZeRO-2 engine its DeepCompile state (gradients handed to ZeRO's optimizer from inside the
     compiled backward, ``runtime/z12.py``) and return the dynamo backend that compiles its graphs."""
     compat.check(stage)  # a torch or DeepSpeed the package was not written for: refused before any change
+    check_sequence_parallel(engine, compile_config)  # before any change
     if not _check_options(compile_config, backend, schedule):
         return None
     inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
@@ -401,14 +404,8 @@ def activate_z0(engine, backend: str, compile_config: CompileConfig, schedule=No
     """Give a ZeRO-0 engine with ``"passes": ["autosp"]`` its DeepCompile state (``runtime/z0.py``: nothing sharded,
     the engine all-reduces the gradients) and return the dynamo backend that splits each sequence in its graphs."""
     compat.check(0)  # a torch or DeepSpeed the package was not written for: refused before any change
+    check_sequence_parallel(engine, compile_config)  # before any change
     if not _check_options(compile_config, backend, schedule):
-        return None
-    import torch.distributed as dist
-    group = getattr(engine, "seq_data_parallel_group", None)  # the group the engine averages gradients over
-    if group is None or dist.get_world_size(group) != dist.get_world_size():
-        # the gradients of a sharded sequence are exact where the engine averages them over every rank
-        fall_back("'autosp' with a data-parallel group smaller than the world (a mesh or an mpu)",
-                  "at ZeRO-0 deepspeed-compile splits sequences where the engine averages gradients over every rank")
         return None
     inductor_config = _compile_kwargs_settings(backend, compile_kwargs)
     _check_regions(engine, compile_config)

@@ -3,5 +3,7 @@
 from .engine_state import fall_back
 
 
-def init_autotp(module):
+def init_autotp(model):
+    """Stock's signature (the engine passes its module); this module places AutoTP's collectives in its ZeRO-1/2
+    pipelines instead (``engine_state.activate_z12``), reached through the ZeRO entry points."""
     return fall_back("compile pass 'autotp'", "deepspeed-compile implements the ZeRO-3 pipeline only")

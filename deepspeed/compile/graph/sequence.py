@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
+from .. import constants
 from ..runtime import ops
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,6 @@ class Block:
 PARTIAL = "partial"
 Layout = Union[Block, str, None]
 
-INPUT_IDS_TAG = "sequence_parallel.input_ids"  # the tag ``prepare_autosp_inputs`` gives token ids
 # names of the graph inputs cut to the rank's block where they enter (dynamo names a placeholder after its source)
 SEED_NAMES = ("input_ids", "inputs_embeds")
 
@@ -80,6 +80,16 @@ _PERMUTE = {torch.transpose, torch.permute, "transpose", "permute"}
 _ATTENTION = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 _LOSSES = {F.cross_entropy, F.nll_loss}
 _FULL_RESULT_METHODS = {"new_ones", "new_zeros", "new_empty", "new_full", "new_tensor", "dim"}  # metadata only
+
+
+def tagged_dim(node: Node, key: str) -> Optional[int]:
+    """The sequence dimension of a graph input tagged ``key`` the stock AutoSP way (``tensor.tag``, which dynamo keeps
+    in ``meta["tensor_dict"]``): ``(key, seq_dim)`` as ``prepare_autosp_inputs`` sets it, or the bare key (dimension
+    1); None where the input is not tagged ``key``."""
+    tag = node.meta.get("tensor_dict", {}).get("tag")
+    if isinstance(tag, tuple) and len(tag) == 2 and tag[0] == key and isinstance(tag[1], int):
+        return tag[1]
+    return 1 if isinstance(tag, str) and tag == key else None
 
 
 def _value(node: Any):
@@ -111,16 +121,17 @@ class SequencePass:
 
     # --- set-up --------------------------------------------------------------------------------------------
     def _seeds(self) -> List[Tuple[Node, int]]:
-        """The graph inputs cut where they enter, with their sequence dimension: those
-        ``prepare_autosp_inputs`` tagged as token ids, else those named after token ids or embeddings."""
+        """The graph inputs cut where they enter, with their sequence dimension: those tagged as token ids
+        (``constants.AUTOSP_INPUT_ID_KEY``, :func:`tagged_dim`), else those named after token ids or embeddings. Labels
+        and position ids, tagged or not, enter whole and are cut where they meet a block."""
         seeds = []
         for node in self.graph.nodes:
             value = _value(node)
             if node.op != "placeholder" or not isinstance(value, torch.Tensor):
                 continue
-            tag = node.meta.get("tensor_dict", {}).get("tag")
-            if isinstance(tag, tuple) and len(tag) == 2 and tag[0] == INPUT_IDS_TAG:
-                seeds.append((node, tag[1]))
+            dim = tagged_dim(node, constants.AUTOSP_INPUT_ID_KEY)
+            if dim is not None:
+                seeds.append((node, dim % value.dim()))
             elif any(node.name.lower().rstrip("_").endswith(name) for name in SEED_NAMES) and value.dim() >= 2:
                 seeds.append((node, 1))
         return seeds

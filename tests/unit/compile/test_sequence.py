@@ -274,7 +274,8 @@ def test_the_rewrite_splits_every_layer():
 def test_autosp_stays_listed_only_where_the_engine_reaches_this_module_through_it(stage):
     """DeepSpeed's engine hands a config listing "autosp" to its AutoSP entry point (``init_sp``), which it calls at
     ZeRO-0 and 1 but refuses at 2 and 3: the config keeps the name at ZeRO-0 only, where this module's ZeRO
-    pipelines are not asked; either way it asks for sequence parallelism."""
+    pipelines are not asked; either way it asks for sequence parallelism. The config reads "autotp" beside it;
+    ``engine.compile()`` refuses the two together (``test_sequence_stock.py``)."""
     from deepspeed.runtime.config import DeepSpeedConfig
     from models import ds_config
     config = ds_config(stage=stage, batch=2, optimizer="sgd", compile_section={"deepcompile": True,
