@@ -17,6 +17,10 @@ it with a failed test). A rank that dies of a signal (an abort in gloo's or torc
 thread's Python stack there first (``faulthandler``), and so does a rank killed for running late; the failure's
 message ends with the last lines of the log of each rank that crashed or was killed.
 
+A rank ends with ``os._exit`` as soon as its result is written: the interpreter's teardown (Python finalization,
+the static destructors of torch, gloo and DeepSpeed's shm op) never runs in a rank, and a rank's exit status is not
+read once its result is in, so an abort in that teardown (``scripts/exit_abort/``) can neither fail nor flake a test.
+
 Each rank is forked from a server process that imported torch, DeepSpeed and the test helpers once
 (``multiprocessing``'s forkserver with a preload list): a fresh process with nothing initialized, as a spawned
 one, without paying 5 s of imports per rank and call. It runs with the caller's environment at the call.
