@@ -32,9 +32,30 @@ def _batch(step: int, group: int, length: int):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+class SequencePool(torch.nn.Module):
+    """Token embeddings scaled by a softmax over the sequence (each position's weight among all the row's positions),
+    then a head and the cross-entropy of its logits, with no attention: the softmax reads the whole sequence."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.score = torch.nn.Linear(dim, 1)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        from transformers.modeling_outputs import CausalLMOutput
+        h = self.embed(input_ids)
+        weights = torch.softmax(self.score(h), dim=1)  # [batch, seq, 1]: over the sequence
+        logits = self.head(torch.log_softmax(h, dim=-1) * weights * h.shape[1])  # the log-softmax over features
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
 def _model(name: str, layers: int = 2):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
+    if name == "pool":
+        return SequencePool()
     if name == "llama":  # grouped-query attention: 4 query heads, 2 key/value heads
         return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -152,6 +173,8 @@ def _two_ranks(steps):
     deepspeed.init_distributed(dist_backend="gloo")
     out = {("llama", 3): _against_eager("llama", 3, 2, steps), ("llama", 1): _against_eager("llama", 1, 2, steps),
            ("gpt2", 3): _against_eager("gpt2", 3, 2, steps), ("llama", 0): _against_eager("llama", 0, 2, steps),
+           # no attention layer: no mask decided at run time
+           ("pool", 1): _against_eager("pool", 1, 2, steps, layers=0),
            # one layer under inductor: its cold C++ compiles are the launch's largest cost (35 s against 47 s for two)
            ("llama", 3, "inductor"): _against_eager("llama", 3, 2, steps, "inductor", layers=1)}
     out["bf16"] = _bf16(out[("llama", 3)]["eager"]["grads"])
@@ -166,10 +189,12 @@ def two_ranks():
     return run_distributed(_two_ranks, len(LENGTHS), timeout_s=570)
 
 
-def _check(r):
+def _check(r, whole_ops=None):
+    """``whole_ops``: the ops the model runs on the whole sequence (none in a transformer whose every layer is split)."""
     from compare import FP32_REORDER_TOL, max_rel_diff, rel_diffs
     report = r["report"]
     assert report is not None and report["sequence_parallel_size"] > 1 and report["sequence_collectives"] > 0, report
+    assert report["sequence_whole_ops"] == (whole_ops or {}), report["sequence_whole_ops"]
     assert report["run_time_masks"] == r["layers"], report  # each layer's mask (symbolic length) is decided per run
     assert max_rel_diff(r["losses"], r["eager"]["losses"]) <= LOSS_TOL, (r["losses"], r["eager"]["losses"])
     grads = rel_diffs(r["grads"], r["eager"]["grads"])
@@ -185,6 +210,13 @@ def test_sequence_parallel_trains_as_the_unsharded_model(two_ranks, case):
     reordering the same tolerance covers: ``compare.FP32_REORDER_TOL``)."""
     for result in two_ranks:
         _check(result[case])
+
+
+def test_a_softmax_over_the_sequence_runs_on_the_whole_sequence(two_ranks):
+    """A softmax over the sequence dimension of a block normalizes over every position of the row: its input is
+    gathered (one softmax counted in the report, the only op run whole), and the model trains as the unsplit one."""
+    for result in two_ranks:
+        _check(result[("pool", 1)], whole_ops={"softmax": 1})
 
 
 def test_sequence_parallel_in_bf16_is_as_accurate_as_eager_zero3(two_ranks):
@@ -240,34 +272,83 @@ def test_sequence_parallel_at_4_ranks():
             _check(result[case])
 
 
-def test_the_rewrite_splits_every_layer():
-    """Where the collectives go in a traced Llama: an all-to-all before each attention input and after attention,
-    one all-reduce for the loss, one all-gather for the logits the model returns; nothing gathered inside a layer."""
+def _rewritten(model, batch):
+    """The ops of ``model``'s dynamo graph as the sequence rewrite leaves it for rank 1 of 2, and what it reported."""
     from deepspeed.compile.graph.sequence import shard_sequence
-    from deepspeed.compile.runtime import ops
     seen = {}
 
     def backend(gm, example_inputs):
-        collectives, cut = shard_sequence(gm, 0, 2, 1)
-        seen["cut"] = cut
-        seen["ops"] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        split = shard_sequence(gm, 0, 2, 1)
+        seen["cut"], seen["whole"] = split.cut_inputs, split.whole_ops
+        seen["ops"] = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
         return gm.forward
 
-    model = _model("llama")
-    batch = _batch(0, 0, 16)
     for tensor in batch.values():
         torch._dynamo.maybe_mark_dynamic(tensor, 1)
+    torch._dynamo.reset()
     with pytest.raises(Exception):  # the graph is not run: no sequence group exists in this process
         torch.compile(model, backend=backend)(**batch)
     torch._dynamo.reset()
+    return seen
+
+
+def test_the_rewrite_splits_every_layer():
+    """Where the collectives go in a traced Llama: an all-to-all before each attention input and after attention,
+    one all-reduce for the loss, one all-gather for the logits the model returns; nothing gathered inside a layer."""
+    from deepspeed.compile.runtime import ops
+    seen = _rewritten(_model("llama"), _batch(0, 0, 16))
     calls = seen["ops"]
-    assert len(seen["cut"]) == 1, seen["cut"]
+    assert len(seen["cut"]) == 1 and seen["whole"] == {}, seen
     assert calls.count(ops.SEQ_ALL_TO_ALL) == 4 * 2, calls.count(ops.SEQ_ALL_TO_ALL)
     assert calls.count(ops.SEQ_ALL_REDUCE) == 1
     assert calls.count(ops.SEQ_ALL_GATHER) == 1  # the logits returned
     gather_at = calls.index(ops.SEQ_ALL_GATHER)
     assert gather_at > max(i for i, t in enumerate(calls) if t is ops.SEQ_ALL_TO_ALL)
     assert operator.floordiv in calls
+
+
+class _Reads(torch.nn.Module):
+    """Embeddings ``[batch, seq, dim]`` through one op, then summed over the features (a per-position reduction)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 8)
+        self.op = op
+
+    def forward(self, input_ids):
+        return self.op(self.embed(input_ids)).sum(dim=-1)
+
+
+# (op, whether it reads across the sequence, the name the report gives it)
+_READS = {
+    "softmax over the sequence": (lambda h: torch.softmax(h, dim=1), True, "softmax"),
+    "softmax over the features": (lambda h: torch.softmax(h, dim=-1), False, None),
+    "log_softmax method over the sequence": (lambda h: h.log_softmax(-2), True, "log_softmax"),
+    "mean over the sequence, kept": (lambda h: h.mean(dim=1, keepdim=True) + h, True, "mean"),
+    "sum over the features, kept": (lambda h: h.sum(dim=(-1, ), keepdim=True) * h, False, None),
+    "cumsum over the sequence": (lambda h: h.cumsum(1), True, "cumsum"),
+    "layer_norm over sequence and features": (lambda h: torch.nn.functional.layer_norm(h, h.shape[1:]), True,
+                                              "layer_norm"),
+    "layer_norm over the features": (lambda h: torch.nn.functional.layer_norm(h, h.shape[-1:]), False, None),
+    "matmul contracting the sequence": (lambda h: h.transpose(1, 2).matmul(h), True, "matmul"),
+}
+
+
+@pytest.mark.parametrize("case", list(_READS))
+def test_an_op_reading_across_the_sequence_runs_on_the_whole_sequence(case):
+    """Each per-position op keeps a block only where it reads nothing across the sequence: one that normalizes,
+    reduces or contracts over it gets its input gathered first (and is counted by name); one over the features stays
+    split, and nothing is gathered before the graph's output."""
+    from deepspeed.compile.runtime import ops
+    op, across, name = _READS[case]
+    seen = _rewritten(_Reads(op), {"input_ids": torch.randint(0, 96, (2, 16))})
+    gathers = [i for i, t in enumerate(seen["ops"]) if t is ops.SEQ_ALL_GATHER]
+    assert len(seen["cut"]) == 1, seen
+    if across:
+        # gathered before the op, not only the output (a full result meeting a block again is cut, not gathered)
+        assert seen["whole"] == {name: 1} and gathers[0] < len(seen["ops"]) - 2, seen
+    else:
+        assert seen["whole"] == {} and gathers == [len(seen["ops"]) - 1], seen  # only the output, gathered last
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
