@@ -59,6 +59,7 @@ class Block:
 
 
 PARTIAL = "partial"
+BODY = "body"  # a call of a body graph: its outputs' layouts are in ``SequencePass.body_outputs``
 Layout = Union[Block, str, None]
 
 INPUT_IDS_TAG = "sequence_parallel.input_ids"  # the tag ``prepare_autosp_inputs`` gives token ids
@@ -79,8 +80,10 @@ class SequencePass:
     """One graph's rewrite. ``runtime_id``: the runtime whose sequence group the collectives run on
     (``runtime/sequence.py``); ``size`` and ``rank``: the group's."""
 
-    def __init__(self, gm: GraphModule, runtime_id: int, size: int, rank: int):
+    def __init__(self, gm: GraphModule, runtime_id: int, size: int, rank: int,
+                 parent: Optional["SequencePass"] = None):
         self.gm, self.graph = gm, gm.graph
+        self.parent = parent  # the pass of the graph that calls this one, a body (:meth:`_body`)
         self.runtime_id, self.size, self.rank = runtime_id, size, rank
         self.layout: Dict[Node, Layout] = {}
         self.seq: Optional[sympy.Symbol] = None  # the sequence length's symbol
@@ -92,6 +95,7 @@ class SequencePass:
         self.collectives = 0
         self.seeds: List[Tuple[Node, int]] = []  # the inputs cut where they enter, with their sequence dimension
         self.whole_ops: Dict[str, int] = {}  # ops run on the whole sequence (their blocks gathered), by op
+        self.body_outputs: Dict[Node, List[Layout]] = {}  # a call of a body graph -> its outputs' layouts
 
     # --- set-up --------------------------------------------------------------------------------------------
     def _seeds(self) -> List[Tuple[Node, int]]:
@@ -150,14 +154,22 @@ class SequencePass:
         self.seeds = seeds
         for node, dim in seeds:
             self._cut_seed(node, dim)
+        self._walk()
+        return True
+
+    def _walk(self) -> List[Layout]:
+        """Rewrite every op; a graph's outputs are gathered, a body's keep their layouts (returned)."""
+        outputs: List[Layout] = []
         for node in list(self.graph.nodes):
             if node.op in ("call_function", "call_method") and node not in self.layout:
                 self._rewrite(node)
-            elif node.op == "output":
+            elif node.op == "output" and self.parent is None:
                 self._finish_outputs(node)
+            elif node.op == "output":
+                outputs = [self.layout.get(arg) for arg in node.args[0]]
         self.graph.lint()
         self.gm.recompile()
-        return True
+        return outputs
 
     def _cut_seed(self, node: Node, dim: int) -> None:
         users = list(node.users)
@@ -243,6 +255,11 @@ class SequencePass:
 
     # --- the rules -----------------------------------------------------------------------------------------
     def _rewrite(self, node: Node) -> None:
+        if node.target is operator.getitem and node.args[0] in self.body_outputs:
+            layout = self.body_outputs[node.args[0]][node.args[1]]
+            if layout is not None:
+                self.layout[node] = layout
+            return
         inputs = self._inputs(node)
         layouts = {arg: self.layout.get(arg) for arg in inputs}
         if all(layout is None for layout in layouts.values()):
@@ -277,6 +294,8 @@ class SequencePass:
             rule = self._attention
         elif target in LOSSES:
             rule = self._loss
+        elif body_call(node) is not None:
+            rule = self._body
         layout = rule(node, layouts) if rule is not None else None
         if layout is None:
             self._fall_back(node)
@@ -329,7 +348,7 @@ class SequencePass:
         for arg, cut in cuts.items():
             if cut is not True:
                 node.replace_input_with(arg, self._cut(node, arg, cut, outer))
-        self._local_sizes(node)
+        # a length among an elementwise op's operands is a value (``x * seq``, ``positions / seq``), kept whole
         return Block(out_dim, outer)
 
     def _follow_shape(self, node: Node, layout: Block, value_in) -> Optional[Block]:
@@ -522,6 +541,43 @@ class SequencePass:
             user.replace_input_with(node, result)
         self.layout[total] = None
         return PARTIAL
+
+    def _body(self, node: Node, layouts) -> Optional[str]:
+        """A call of a body graph (a checkpointed region, an autocast region: ``sequence_rules.BODY_CALLS``): the
+        body rewritten by these rules in place, its placeholders given their operands' layouts and the sequence's
+        length, the block's length and its start passed in after the operands; its outputs keep their layouts (a
+        region of blocks returns blocks), read by the ``getitem`` after the call. A body called more than once, or
+        whose outputs are not one flat tuple read by index, is not rewritten (None: it runs on the whole sequence)."""
+        at = body_call(node)
+        attr = node.args[at]
+        body = getattr(self.gm, attr.target, None)
+        operands = list(node.args[at + 1:])
+        if not isinstance(body, GraphModule) or len(attr.users) != 1 or any(
+                user.target is not operator.getitem or not isinstance(user.args[1], int) for user in node.users):
+            return None
+        body.graph.eliminate_dead_code()  # dynamo leaves a body's unread ``size()`` calls, which would gather
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        output = next(n for n in body.graph.nodes if n.op == "output")
+        if len(placeholders) != len(operands) or not isinstance(output.args[0], (tuple, list)):
+            return None
+        inner = SequencePass(body, self.runtime_id, self.size, self.rank, parent=self)
+        inner.seq = self.seq
+        first = next(n for n in body.graph.nodes if n.op != "placeholder")
+        with body.graph.inserting_before(first):
+            inner.seq_node, inner.local_len, inner.start = (body.graph.placeholder(name) for name in (
+                "sequence_length", "block_length", "block_start"))
+        node.args = node.args + (self.seq_node, self.local_len, self.start)
+        for placeholder, operand in zip(placeholders, operands):
+            if isinstance(operand, Node) and self.layout.get(operand) is not None:
+                inner.layout[placeholder] = self.layout[operand]
+                inner.traced[placeholder] = self._value(operand)
+        self.body_outputs[node] = inner._walk()
+        body.graph.eliminate_dead_code()
+        body.recompile()
+        self.collectives += inner.collectives
+        for name, count in inner.whole_ops.items():
+            self.whole_ops[name] = self.whole_ops.get(name, 0) + count
+        return BODY
 
     def _finish_outputs(self, output: Node) -> None:
         def full(arg):

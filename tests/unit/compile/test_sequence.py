@@ -33,8 +33,9 @@ def _batch(step: int, group: int, length: int):
 
 
 class SequencePool(torch.nn.Module):
-    """Token embeddings scaled by a softmax over the sequence (each position's weight among all the row's positions),
-    then a head and the cross-entropy of its logits, with no attention: the softmax reads the whole sequence."""
+    """Token embeddings scaled by a softmax over the sequence (each position's weight among all the row's positions,
+    times the sequence's length: a length used as a value), then a head and the cross-entropy of its logits, with no
+    attention: the softmax reads the whole sequence."""
 
     def __init__(self, vocab: int = 96, dim: int = 32):
         super().__init__()
@@ -46,16 +47,21 @@ class SequencePool(torch.nn.Module):
         from transformers.modeling_outputs import CausalLMOutput
         h = self.embed(input_ids)
         weights = torch.softmax(self.score(h), dim=1)  # [batch, seq, 1]: over the sequence
-        logits = self.head(torch.log_softmax(h, dim=-1) * weights * h.shape[1])  # the log-softmax over features
+        logits = self.head(torch.softmax(h, dim=-1) * weights * h.shape[1])  # this softmax over the features
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
         return CausalLMOutput(loss=loss, logits=logits)
 
 
-def _model(name: str, layers: int = 2):
+def _model(name: str, layers: int = 2, checkpointing: bool = False):
+    """``checkpointing``: with Hugging Face's gradient checkpointing (every decoder layer a checkpointed region)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     if name == "pool":
         return SequencePool()
+    if name == "llama" and checkpointing:
+        model = _model(name, layers)
+        model.gradient_checkpointing_enable()
+        return model.train()
     if name == "llama":  # grouped-query attention: 4 query heads, 2 key/value heads
         return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -66,10 +72,11 @@ def _model(name: str, layers: int = 2):
                                       attn_pdrop=0.0, use_cache=False))
 
 
-def _engine(name: str, stage: int, sp: int, backend=None, dtype: str = "fp32", layers: int = 2, **section):
+def _engine(name: str, stage: int, sp: int, backend=None, dtype: str = "fp32", layers: int = 2,
+            checkpointing: bool = False, **section):
     import deepspeed
     from models import ds_config
-    model = _model(name, layers)
+    model = _model(name, layers, checkpointing)
     config = ds_config(stage=stage, batch=2, optimizer="sgd", dtype=dtype,
                        compile_section={"deepcompile": True, "passes": ["autosp"], **section} if backend else None)
     if backend:
@@ -95,16 +102,17 @@ def _train(engine, sp: int, steps: int):
     return {"losses": losses, "grads": grads, "params": full_params(engine)}
 
 
-def _against_eager(name: str, stage: int, sp: int, steps: int, backend: str = "eager", layers: int = 2):
+def _against_eager(name: str, stage: int, sp: int, steps: int, backend: str = "eager", layers: int = 2,
+                   checkpointing: bool = False):
     """The split model and eager ZeRO of the same stage, trained alike."""
     from deepspeed.compile.report import engine_report
     torch._dynamo.reset()
-    engine = _engine(name, stage, sp, backend, layers=layers)
+    engine = _engine(name, stage, sp, backend, layers=layers, checkpointing=checkpointing)
     out = _train(engine, sp, steps)
     out["report"] = engine_report(engine)
     out["layers"] = layers
     engine.destroy()
-    reference = _engine(name, stage, sp, layers=layers)
+    reference = _engine(name, stage, sp, layers=layers, checkpointing=checkpointing)
     out["eager"] = _train(reference, sp, steps)
     reference.destroy()
     return out
@@ -173,8 +181,6 @@ def _two_ranks(steps):
     deepspeed.init_distributed(dist_backend="gloo")
     out = {("llama", 3): _against_eager("llama", 3, 2, steps), ("llama", 1): _against_eager("llama", 1, 2, steps),
            ("gpt2", 3): _against_eager("gpt2", 3, 2, steps), ("llama", 0): _against_eager("llama", 0, 2, steps),
-           # no attention layer: no mask decided at run time
-           ("pool", 1): _against_eager("pool", 1, 2, steps, layers=0),
            # one layer under inductor: its cold C++ compiles are the launch's largest cost (35 s against 47 s for two)
            ("llama", 3, "inductor"): _against_eager("llama", 3, 2, steps, "inductor", layers=1)}
     out["bf16"] = _bf16(out[("llama", 3)]["eager"]["grads"])
@@ -189,13 +195,31 @@ def two_ranks():
     return run_distributed(_two_ranks, len(LENGTHS), timeout_s=570)
 
 
-def _check(r, whole_ops=None):
-    """``whole_ops``: the ops the model runs on the whole sequence (none in a transformer whose every layer is split)."""
+def _two_ranks_more(steps):
+    """ZeRO-1: a model with a softmax over the sequence, and the Llama under Hugging Face's gradient checkpointing
+    (with the plain Llama, for its count of collectives)."""
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    # no attention layer in the first: no mask decided at run time
+    return {("pool", 1): _against_eager("pool", 1, 2, steps, layers=0),
+            ("llama", 1, "checkpointing"): _against_eager("llama", 1, 2, steps, checkpointing=True)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks_more():
+    """A second launch of 2 ranks: the first is at its time limit."""
+    return run_distributed(_two_ranks_more, len(LENGTHS), timeout_s=400)
+
+
+def _check(r, whole_ops=None, run_time_masks=None):
+    """``whole_ops``: the ops the model runs on the whole sequence (none in a transformer whose every layer is split);
+    ``run_time_masks``: the attentions whose mask is decided per run (each layer's, unless said)."""
     from compare import FP32_REORDER_TOL, max_rel_diff, rel_diffs
     report = r["report"]
     assert report is not None and report["sequence_parallel_size"] > 1 and report["sequence_collectives"] > 0, report
     assert report["sequence_whole_ops"] == (whole_ops or {}), report["sequence_whole_ops"]
-    assert report["run_time_masks"] == r["layers"], report  # each layer's mask (symbolic length) is decided per run
+    # each layer's mask (symbolic length) is decided per run
+    assert report["run_time_masks"] == (r["layers"] if run_time_masks is None else run_time_masks), report
     assert max_rel_diff(r["losses"], r["eager"]["losses"]) <= LOSS_TOL, (r["losses"], r["eager"]["losses"])
     grads = rel_diffs(r["grads"], r["eager"]["grads"])
     assert max(grads.values()) <= FP32_REORDER_TOL, ("grads", sorted(grads.items(), key=lambda kv: -kv[1])[:3])
@@ -212,10 +236,23 @@ def test_sequence_parallel_trains_as_the_unsharded_model(two_ranks, case):
         _check(result[case])
 
 
-def test_a_softmax_over_the_sequence_runs_on_the_whole_sequence(two_ranks):
+def test_sequence_parallel_splits_every_checkpointed_layer(two_ranks_more):
+    """Hugging Face's gradient checkpointing: each decoder layer is a checkpointed region, a body graph of its own in
+    the dynamo graph, rewritten there: every layer split (nothing run on the whole sequence; the all-to-alls of q, k, v
+    and the attention's output in each of 2 layers, the loss's sum and the logits' gather), and the model trains as
+    the unsplit one. The attentions inside the regions keep the mask the model built (none is decided at run time:
+    that pass reads the top-level graph)."""
+    for result in two_ranks_more:
+        r = result[("llama", 1, "checkpointing")]
+        _check(r, run_time_masks=0)
+        assert r["report"]["sequence_collectives"] == 4 * 2 + 2, r["report"]
+
+
+def test_a_softmax_over_the_sequence_runs_on_the_whole_sequence(two_ranks_more):
     """A softmax over the sequence dimension of a block normalizes over every position of the row: its input is
-    gathered (one softmax counted in the report, the only op run whole), and the model trains as the unsplit one."""
-    for result in two_ranks:
+    gathered (one softmax counted in the report, the only op run whole: the softmax over the features stays split),
+    and the model trains as the unsplit one."""
+    for result in two_ranks_more:
         _check(result[("pool", 1)], whole_ops={"softmax": 1})
 
 
@@ -273,37 +310,46 @@ def test_sequence_parallel_at_4_ranks():
 
 
 def _rewritten(model, batch):
-    """The ops of ``model``'s dynamo graph as the sequence rewrite leaves it for rank 1 of 2, and what it reported."""
+    """The ops of ``model``'s dynamo graph as the sequence rewrite leaves it for rank 1 of 2 (``ops``: the graph's;
+    ``body_ops``: those of the graphs nested in it, a checkpointed region's), and what it reported. Traced as in a
+    DeepCompile forward (a checkpointed region's Python side effects traced, as the engine does)."""
     from deepspeed.compile.graph.sequence import shard_sequence
+    from deepspeed.compile.integrations.ds_checkpointing import deepcompile_forward
     seen = {}
 
     def backend(gm, example_inputs):
         split = shard_sequence(gm, 0, 2, 1)
         seen["cut"], seen["whole"] = split.cut_inputs, split.whole_ops
         seen["ops"] = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+        seen["body_ops"] = [n.target for name, body in gm.named_modules() if name for n in body.graph.nodes
+                            if n.op in ("call_function", "call_method")]
         return gm.forward
 
     for tensor in batch.values():
         torch._dynamo.maybe_mark_dynamic(tensor, 1)
     torch._dynamo.reset()
-    with pytest.raises(Exception):  # the graph is not run: no sequence group exists in this process
+    with pytest.raises(Exception), deepcompile_forward():  # not run: no sequence group exists in this process
         torch.compile(model, backend=backend)(**batch)
     torch._dynamo.reset()
     return seen
 
 
-def test_the_rewrite_splits_every_layer():
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_the_rewrite_splits_every_layer(checkpointing):
     """Where the collectives go in a traced Llama: an all-to-all before each attention input and after attention,
-    one all-reduce for the loss, one all-gather for the logits the model returns; nothing gathered inside a layer."""
+    one all-reduce for the loss, one all-gather for the logits the model returns; nothing gathered inside a layer.
+    With Hugging Face's gradient checkpointing each layer is a body graph of its own, where its all-to-alls go."""
     from deepspeed.compile.runtime import ops
-    seen = _rewritten(_model("llama"), _batch(0, 0, 16))
-    calls = seen["ops"]
+    seen = _rewritten(_model("llama", checkpointing=checkpointing), _batch(0, 0, 16))
+    calls, bodies = seen["ops"], seen["body_ops"]
     assert len(seen["cut"]) == 1 and seen["whole"] == {}, seen
-    assert calls.count(ops.SEQ_ALL_TO_ALL) == 4 * 2, calls.count(ops.SEQ_ALL_TO_ALL)
+    assert (bodies if checkpointing else calls).count(ops.SEQ_ALL_TO_ALL) == 4 * 2, seen
+    assert ops.SEQ_ALL_GATHER not in bodies and ops.SEQ_ALL_REDUCE not in bodies, bodies
     assert calls.count(ops.SEQ_ALL_REDUCE) == 1
     assert calls.count(ops.SEQ_ALL_GATHER) == 1  # the logits returned
-    gather_at = calls.index(ops.SEQ_ALL_GATHER)
-    assert gather_at > max(i for i, t in enumerate(calls) if t is ops.SEQ_ALL_TO_ALL)
+    if not checkpointing:
+        gather_at = calls.index(ops.SEQ_ALL_GATHER)
+        assert gather_at > max(i for i, t in enumerate(calls) if t is ops.SEQ_ALL_TO_ALL)
     assert operator.floordiv in calls
 
 
