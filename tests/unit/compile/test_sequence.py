@@ -40,7 +40,7 @@ class SequencePool(torch.nn.Module):
     def __init__(self, vocab: int = 96, dim: int = 32):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, dim)
-        self.score = torch.nn.Linear(dim, 1)
+        self.score = torch.nn.Linear(dim, 1, bias=False)  # (a softmax ignores a shift: a bias's gradient is 0)
         self.head = torch.nn.Linear(dim, vocab)
 
     def forward(self, input_ids, attention_mask=None, labels=None):
