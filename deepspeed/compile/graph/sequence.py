@@ -166,7 +166,7 @@ class SequencePass:
             elif node.op == "output" and self.parent is None:
                 self._finish_outputs(node)
             elif node.op == "output":
-                outputs = [self.layout.get(arg) for arg in node.args[0]]
+                outputs = [self.layout.get(arg) if isinstance(arg, Node) else None for arg in node.args[0]]
         self.graph.lint()
         self.gm.recompile()
         return outputs
