@@ -195,14 +195,36 @@ def two_ranks():
     return run_distributed(_two_ranks, len(LENGTHS), timeout_s=570)
 
 
+def _with_whole_op_warnings(run):
+    """``run()``'s result, with the warnings DeepSpeed's logger gave while it ran that name ops run whole."""
+    import logging
+    from deepspeed.utils import logger
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "ran these ops on the whole sequence" in record.getMessage():
+                seen.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        out = run()
+    finally:
+        logger.removeHandler(handler)
+    out["whole_op_warnings"] = seen
+    return out
+
+
 def _two_ranks_more(steps):
-    """ZeRO-1: a model with a softmax over the sequence, and the Llama under Hugging Face's gradient checkpointing
-    (with the plain Llama, for its count of collectives)."""
+    """ZeRO-1: a model with a softmax over the sequence, and the Llama under Hugging Face's gradient checkpointing,
+    with the warnings each gave about ops run whole."""
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     # no attention layer in the first: no mask decided at run time
-    return {("pool", 1): _against_eager("pool", 1, 2, steps, layers=0),
-            ("llama", 1, "checkpointing"): _against_eager("llama", 1, 2, steps, checkpointing=True)}
+    return {("pool", 1): _with_whole_op_warnings(lambda: _against_eager("pool", 1, 2, steps, layers=0)),
+            ("llama", 1, "checkpointing"): _with_whole_op_warnings(
+                lambda: _against_eager("llama", 1, 2, steps, checkpointing=True))}
 
 
 @pytest.fixture(scope="module")
@@ -246,14 +268,17 @@ def test_sequence_parallel_splits_every_checkpointed_layer(two_ranks_more):
         r = result[("llama", 1, "checkpointing")]
         _check(r, run_time_masks=0)
         assert r["report"]["sequence_collectives"] == 4 * 2 + 2, r["report"]
+        assert r["whole_op_warnings"] == [], r["whole_op_warnings"]
 
 
 def test_a_softmax_over_the_sequence_runs_on_the_whole_sequence(two_ranks_more):
     """A softmax over the sequence dimension of a block normalizes over every position of the row: its input is
-    gathered (one softmax counted in the report, the only op run whole: the softmax over the features stays split),
-    and the model trains as the unsplit one."""
+    gathered (one softmax counted in the report, the only op run whole: the softmax over the features stays split;
+    one warning names it, over three steps), and the model trains as the unsplit one."""
     for result in two_ranks_more:
-        _check(result[("pool", 1)], whole_ops={"softmax": 1})
+        r = result[("pool", 1)]
+        _check(r, whole_ops={"softmax": 1})
+        assert len(r["whole_op_warnings"]) == 1 and "softmax (x1)" in r["whole_op_warnings"][0], r["whole_op_warnings"]
 
 
 def test_sequence_parallel_in_bf16_is_as_accurate_as_eager_zero3(two_ranks):
