@@ -50,6 +50,10 @@ def engine_report(engine) -> Optional[Dict[str, Any]]:
         # in the forward graphs (all-to-alls around attention, the loss's sum, outputs gathered)
         "sequence_parallel_size": 1 if runtime.sequence is None else runtime.sequence.size,
         "sequence_collectives": state.stats.sequence_collectives,
+        # the ops of those graphs run on the whole sequence on every rank of the group (their blocks gathered first:
+        # exact, not split), by op: an op no rule splits (a softmax over the sequence, a cumsum, attention whose
+        # inputs are not [batch, heads, seq, dim]), with one warning naming them
+        "sequence_whole_ops": dict(state.stats.sequence_whole_ops),
         # "passes": ["autotp"]: AutoTP's group size (1: none), and its layers whose collectives the graphs place
         "tensor_parallel_size": 1 if runtime.tensor is None else runtime.tensor.size,
         "tensor_parallel_layers": state.stats.tensor_parallel_layers,

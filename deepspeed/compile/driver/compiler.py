@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from deepspeed.utils import logger
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import RestartAnalysis
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
@@ -66,6 +67,7 @@ class CompileStats:
                                                                        "partition": 0.0})
     kept_gathered_bytes: int = 0  # of compile.keep_gathered_bytes, taken by parameters kept gathered for backward
     sequence_collectives: int = 0  # collectives of the sequence group placed in the forward graphs (autosp)
+    sequence_whole_ops: Dict[str, int] = field(default_factory=dict)  # of those graphs' ops, those run unsplit, by op
     tensor_parallel_layers: int = 0  # AutoTP layers whose collectives the forward graphs place (autotp)
     tensor_sums_overlapped: int = 0  # of AutoTP's sums in the backward graphs, those left in flight over other code
     causal_masks: int = 0  # attentions given is_causal for a constant causal mask (graph/masks.py)
@@ -385,13 +387,20 @@ def shard_sequence_of(runtime, gm: GraphModule, stats: CompileStats) -> List[Tup
     group = runtime.sequence
     if group is None:
         return []
-    collectives, cut_inputs = shard_sequence(gm, runtime.id, group.size, group.rank)
-    stats.sequence_collectives += collectives
-    if not cut_inputs:
+    split = shard_sequence(gm, runtime.id, group.size, group.rank)
+    stats.sequence_collectives += split.collectives
+    if not split.cut_inputs:
         log.warning("deepspeed-compile: sequence parallelism found no token ids with a dynamic length in a graph "
                     "(an input named input_ids or inputs_embeds, or tagged by prepare_autosp_inputs): that graph "
                     "runs on the whole sequence on every rank of the group")
-    return cut_inputs
+    if split.whole_ops and not stats.sequence_whole_ops:  # once per engine: the report counts every graph's
+        ops = ", ".join(f"{name} (x{count})" for name, count in sorted(split.whole_ops.items()))
+        logger.warning(f"deepspeed-compile: sequence parallelism ran these ops on the whole sequence, on every rank "
+                       f"of the sequence group, their inputs gathered first (exact, but not split): {ops}. "
+                       "engine_report(engine)['sequence_whole_ops'] counts them over every graph")
+    for name, count in split.whole_ops.items():
+        stats.sequence_whole_ops[name] = stats.sequence_whole_ops.get(name, 0) + count
+    return split.cut_inputs
 
 
 def pairs_across_ranks(gathered, grad_ds_ids: Sequence[Optional[int]], grad_enabled: bool,

@@ -11,14 +11,18 @@ cut to this rank's block right after they enter (``narrow``), and from there eve
   block);
 - ``PARTIAL``: this rank's addend of a sum over the sequence (a loss summed over its block).
 
-Each op is rewritten by a rule for its kind: an elementwise op, a per-position op (a linear layer, a norm, an
-embedding, a reduction over another dimension) or a view keeps the block, and a full operand meeting a block is
-cut to the same block (the rotary table, the position embedding, the labels); ``scaled_dot_product_attention`` gets
-an all-to-all before it (each rank then holds the whole sequence for ``heads / size`` heads, with the mask's heads
-cut to match) and one after; a cross-entropy over a block sums its losses, adds the sums over the group and divides
-by the number of counted labels of the whole batch. Any other op that reads a block gets the block gathered first,
-and runs on the full value; so the rewrite is exact for any graph, and parallel where the rules reach. A graph's
-outputs are returned full.
+Each op is rewritten by a rule for its kind (``graph/sequence_rules.py`` holds the tables): an elementwise op, a
+per-position op (a linear layer, a norm, an embedding, a softmax or a reduction over another dimension than the
+block's) or a view keeps the block, and a full operand meeting a block is cut to the same block (the rotary table,
+the position embedding, the labels); ``scaled_dot_product_attention`` gets an all-to-all before it (each rank then
+holds the whole sequence for ``heads / size`` heads, with the mask's heads cut to match) and one after; a
+cross-entropy over a block sums its losses, adds the sums over the group and divides by the number of counted labels
+of the whole batch. A per-position op reads its block only where it reads nothing across the block's dimension: a
+softmax, a norm or a sum over the sequence is no per-position op of that block. Any op no rule takes gets the blocks
+it reads gathered first, and runs on the full values (counted by op: :attr:`SequencePass.whole_ops`). So every op
+computes from values that hold what it reads, and the rewrite is exact for any graph, random ops aside (a dropout
+draws its mask per block, as a different seed would), and parallel where the rules reach. A graph's outputs are
+returned full.
 
 Sizes: the sequence length is a symbol of the dynamo graph (the engine marks the token ids' sequence dimension
 dynamic). An op whose input is a block and whose size arguments name that symbol (``view(b, s, heads, d)``) gets
@@ -34,16 +38,17 @@ divides it out: the gradients of every stage are those of the unsharded model, u
 """
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import sympy
 import torch
-import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from .. import constants
 from ..runtime import ops
+from .sequence_rules import (ATTENTION, ELEMENTWISE_FUNCS, ELEMENTWISE_METHODS, FULL_RESULT_METHODS, LOSSES, PERMUTE,
+                             SPLIT, VIEW_FUNCS, VIEW_METHODS, body_call, op_name, per_position_reads, position_of)
 
 log = logging.getLogger(__name__)
 
@@ -55,32 +60,11 @@ class Block:
 
 
 PARTIAL = "partial"
+BODY = "body"  # a call of a body graph: its outputs' layouts are in ``SequencePass.body_outputs``
 Layout = Union[Block, str, None]
 
 # names of the graph inputs cut to the rank's block where they enter (dynamo names a placeholder after its source)
 SEED_NAMES = ("input_ids", "inputs_embeds")
-
-_ELEMENTWISE_FUNCS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
-                      operator.and_, operator.or_, operator.invert, torch.add, torch.sub, torch.mul, torch.div,
-                      torch.rsqrt, torch.sqrt, torch.tanh, torch.sigmoid, torch.exp, torch.pow, torch.sin, torch.cos,
-                      torch.where, torch.erf, torch.abs, torch.neg, F.silu, F.gelu, F.relu, F.dropout, F.tanh,
-                      torch.nn.functional.sigmoid, torch.masked_fill}
-_ELEMENTWISE_METHODS = {"to", "float", "half", "bfloat16", "double", "type_as", "contiguous", "pow", "__neg__", "neg",
-                        "mul", "add", "sub", "div", "rsqrt", "sqrt", "tanh", "sigmoid", "exp", "sin", "cos", "abs",
-                        "masked_fill", "clone", "detach", "__and__", "__or__", "__invert__", "float", "long", "int",
-                        "bool", "sigmoid"}
-# one output position per input position, reading other dimensions only; other tensor inputs are weights
-_PER_POSITION_FUNCS = {torch._C._nn.linear, F.linear, torch.addmm, torch.mm, torch.matmul, F.layer_norm, F.rms_norm,
-                       F.embedding, F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.mean, torch.sum}
-_PER_POSITION_METHODS = {"mean", "sum", "softmax", "log_softmax", "matmul", "amax", "norm"}
-_VIEW_FUNCS = {torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, operator.getitem}
-_VIEW_METHODS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "view_as"}
-_SPLIT = {torch.split, torch.chunk, "split", "chunk"}
-_PERMUTE = {torch.transpose, torch.permute, "transpose", "permute"}
-_ATTENTION = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
-_LOSSES = {F.cross_entropy, F.nll_loss}
-_FULL_RESULT_METHODS = {"new_ones", "new_zeros", "new_empty", "new_full", "new_tensor", "dim"}  # metadata only
-
 
 def tagged_dim(node: Node, key: str) -> Optional[int]:
     """The sequence dimension of a graph input tagged ``key`` the stock AutoSP way (``tensor.tag``, which dynamo keeps
@@ -106,8 +90,10 @@ class SequencePass:
     """One graph's rewrite. ``runtime_id``: the runtime whose sequence group the collectives run on
     (``runtime/sequence.py``); ``size`` and ``rank``: the group's."""
 
-    def __init__(self, gm: GraphModule, runtime_id: int, size: int, rank: int):
+    def __init__(self, gm: GraphModule, runtime_id: int, size: int, rank: int,
+                 parent: Optional["SequencePass"] = None):
         self.gm, self.graph = gm, gm.graph
+        self.parent = parent  # the pass of the graph that calls this one, a body (:meth:`_body`)
         self.runtime_id, self.size, self.rank = runtime_id, size, rank
         self.layout: Dict[Node, Layout] = {}
         self.seq: Optional[sympy.Symbol] = None  # the sequence length's symbol
@@ -118,6 +104,8 @@ class SequencePass:
         self.traced: Dict[Node, Any] = {}  # a node this pass made -> the traced (full) value it holds a block of
         self.collectives = 0
         self.seeds: List[Tuple[Node, int]] = []  # the inputs cut where they enter, with their sequence dimension
+        self.whole_ops: Dict[str, int] = {}  # ops run on the whole sequence (their blocks gathered), by op
+        self.body_outputs: Dict[Node, List[Layout]] = {}  # a call of a body graph -> its outputs' layouts
 
     # --- set-up --------------------------------------------------------------------------------------------
     def _seeds(self) -> List[Tuple[Node, int]]:
@@ -177,14 +165,22 @@ class SequencePass:
         self.seeds = seeds
         for node, dim in seeds:
             self._cut_seed(node, dim)
+        self._walk()
+        return True
+
+    def _walk(self) -> List[Layout]:
+        """Rewrite every op; a graph's outputs are gathered, a body's keep their layouts (returned)."""
+        outputs: List[Layout] = []
         for node in list(self.graph.nodes):
             if node.op in ("call_function", "call_method") and node not in self.layout:
                 self._rewrite(node)
-            elif node.op == "output":
+            elif node.op == "output" and self.parent is None:
                 self._finish_outputs(node)
+            elif node.op == "output":
+                outputs = [self.layout.get(arg) if isinstance(arg, Node) else None for arg in node.args[0]]
         self.graph.lint()
         self.gm.recompile()
-        return True
+        return outputs
 
     def _cut_seed(self, node: Node, dim: int) -> None:
         users = list(node.users)
@@ -239,7 +235,11 @@ class SequencePass:
         return self._insert_before(before, "flatten", (cut, dim, dim + 1), method=True)
 
     def _fall_back(self, node: Node) -> None:
-        """Run ``node`` on full values: gather each block it reads."""
+        """Run ``node`` on full values: gather each block it reads (counted in :attr:`whole_ops`)."""
+        blocks = [arg for arg in self._inputs(node) if isinstance(self.layout.get(arg), Block)]
+        if blocks:
+            name = op_name(node)
+            self.whole_ops[name] = self.whole_ops.get(name, 0) + 1
         for arg in self._inputs(node):
             if self.layout.get(arg) is not None:
                 node.replace_input_with(arg, self._gather(node, arg))
@@ -266,13 +266,18 @@ class SequencePass:
 
     # --- the rules -----------------------------------------------------------------------------------------
     def _rewrite(self, node: Node) -> None:
+        if node.target is operator.getitem and node.args[0] in self.body_outputs:
+            layout = self.body_outputs[node.args[0]][node.args[1]]
+            if layout is not None:
+                self.layout[node] = layout
+            return
         inputs = self._inputs(node)
         layouts = {arg: self.layout.get(arg) for arg in inputs}
         if all(layout is None for layout in layouts.values()):
             return
         target = node.target
         method = node.op == "call_method"
-        if method and target in _FULL_RESULT_METHODS:
+        if method and target in FULL_RESULT_METHODS:
             return
         partial = [arg for arg, layout in layouts.items() if layout == PARTIAL]
         if partial:
@@ -284,22 +289,24 @@ class SequencePass:
             if all(layout is None for layout in layouts.values()):
                 return
         rule = None
-        if (method and target in _ELEMENTWISE_METHODS) or (not method and target in _ELEMENTWISE_FUNCS):
+        if (method and target in ELEMENTWISE_METHODS) or (not method and target in ELEMENTWISE_FUNCS):
             rule = self._elementwise
-        elif (method and target in _PER_POSITION_METHODS) or (not method and target in _PER_POSITION_FUNCS):
+        elif per_position_reads(node) is not None:
             rule = self._per_position
-        elif (method and target in _VIEW_METHODS) or (not method and target in _VIEW_FUNCS):
+        elif (method and target in VIEW_METHODS) or (not method and target in VIEW_FUNCS):
             rule = self._view
-        elif target in _PERMUTE:
+        elif target in PERMUTE:
             rule = self._permute
-        elif target in _SPLIT:
+        elif target in SPLIT:
             rule = self._split
         elif target is torch.cat:
             rule = self._cat
-        elif target in _ATTENTION:
+        elif target in ATTENTION:
             rule = self._attention
-        elif target in _LOSSES:
+        elif target in LOSSES:
             rule = self._loss
+        elif body_call(node) is not None:
+            rule = self._body
         layout = rule(node, layouts) if rule is not None else None
         if layout is None:
             self._fall_back(node)
@@ -352,7 +359,7 @@ class SequencePass:
         for arg, cut in cuts.items():
             if cut is not True:
                 node.replace_input_with(arg, self._cut(node, arg, cut, outer))
-        self._local_sizes(node)
+        # a length among an elementwise op's operands is a value (``x * seq``, ``positions / seq``), kept whole
         return Block(out_dim, outer)
 
     def _follow_shape(self, node: Node, layout: Block, value_in) -> Optional[Block]:
@@ -392,6 +399,10 @@ class SequencePass:
         for other, other_layout in layouts.items():
             if other is not arg and (other_layout is not None or self._has_seq(self._value(other))):
                 return None
+        position = position_of(node, arg)
+        # an op that reads across the block's dimension (a softmax or a norm over the sequence) needs every position
+        if position is None or layout.dim in per_position_reads(node)(node, position, self._value(arg).dim()):
+            return None
         found = self._follow_shape(node, layout, self._value(arg))
         if found is not None:
             self._local_sizes(node)
@@ -542,6 +553,43 @@ class SequencePass:
         self.layout[total] = None
         return PARTIAL
 
+    def _body(self, node: Node, layouts) -> Optional[str]:
+        """A call of a body graph (a checkpointed region, an autocast region: ``sequence_rules.BODY_CALLS``): the
+        body rewritten by these rules in place, its placeholders given their operands' layouts and the sequence's
+        length, the block's length and its start passed in after the operands; its outputs keep their layouts (a
+        region of blocks returns blocks), read by the ``getitem`` after the call. A body called more than once, or
+        whose outputs are not one flat tuple read by index, is not rewritten (None: it runs on the whole sequence)."""
+        at = body_call(node)
+        attr = node.args[at]
+        body = getattr(self.gm, attr.target, None)
+        operands = list(node.args[at + 1:])
+        if not isinstance(body, GraphModule) or len(attr.users) != 1 or any(
+                user.target is not operator.getitem or not isinstance(user.args[1], int) for user in node.users):
+            return None
+        body.graph.eliminate_dead_code()  # dynamo leaves a body's unread ``size()`` calls, which would gather
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        output = next(n for n in body.graph.nodes if n.op == "output")
+        if len(placeholders) != len(operands) or not isinstance(output.args[0], (tuple, list)):
+            return None
+        inner = SequencePass(body, self.runtime_id, self.size, self.rank, parent=self)
+        inner.seq = self.seq
+        first = next(n for n in body.graph.nodes if n.op != "placeholder")
+        with body.graph.inserting_before(first):
+            inner.seq_node, inner.local_len, inner.start = (body.graph.placeholder(name) for name in (
+                "sequence_length", "block_length", "block_start"))
+        node.args = node.args + (self.seq_node, self.local_len, self.start)
+        for placeholder, operand in zip(placeholders, operands):
+            if isinstance(operand, Node) and self.layout.get(operand) is not None:
+                inner.layout[placeholder] = self.layout[operand]
+                inner.traced[placeholder] = self._value(operand)
+        self.body_outputs[node] = inner._walk()
+        body.graph.eliminate_dead_code()
+        body.recompile()
+        self.collectives += inner.collectives
+        for name, count in inner.whole_ops.items():
+            self.whole_ops[name] = self.whole_ops.get(name, 0) + count
+        return BODY
+
     def _finish_outputs(self, output: Node) -> None:
         def full(arg):
             if isinstance(arg, Node) and self.layout.get(arg) is not None:
@@ -550,15 +598,23 @@ class SequencePass:
         output.args = torch.fx.node.map_aggregate(output.args, full)
 
 
-def shard_sequence(gm: GraphModule, runtime_id: int, size: int, rank: int) -> Tuple[int, List[Tuple[int, int]]]:
-    """Rewrite ``gm`` for sequence parallelism. Returns the number of collectives placed, and the inputs cut to the
-    rank's block as (placeholder index, sequence dimension): their length must divide by ``size`` at every call. No
-    collectives and no inputs: the graph has no token ids with a dynamic length, and runs as it is, on the full
-    sequence, on every rank."""
+@dataclass
+class SequenceSplit:
+    """What :func:`shard_sequence` did to a graph: the collectives it placed; the inputs it cut to the rank's block,
+    as (placeholder index, sequence dimension), whose length must divide by the group's size at every call; and the
+    ops it ran on the whole sequence (their blocks gathered first), by op."""
+    collectives: int = 0
+    cut_inputs: List[Tuple[int, int]] = field(default_factory=list)
+    whole_ops: Dict[str, int] = field(default_factory=dict)
+
+
+def shard_sequence(gm: GraphModule, runtime_id: int, size: int, rank: int) -> SequenceSplit:
+    """Rewrite ``gm`` for sequence parallelism. No collectives and no inputs cut: the graph has no token ids with a
+    dynamic length, and runs as it is, on the full sequence, on every rank."""
     sp = SequencePass(gm, runtime_id, size, rank)
     if not sp.run():
-        return 0, []
+        return SequenceSplit()
     gm.graph.eliminate_dead_code()
     gm.recompile()
     index = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    return sp.collectives, [(index[node], dim) for node, dim in sp.seeds]
+    return SequenceSplit(sp.collectives, [(index[node], dim) for node, dim in sp.seeds], dict(sp.whole_ops))

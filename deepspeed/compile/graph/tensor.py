@@ -7,9 +7,11 @@ whose gradient is summed over the group; layers reading the same input share one
 one all-reduce). A row-parallel layer (``LinearAllreduce``: its block of the input features) has its product summed
 over the group by ``tp_sum`` before its bias is added, as the layer itself does. Each layer's product is found by its
 module in the node's ``nn_module_stack`` (dynamo records which module each op was traced in): one ``matmul`` a layer.
-In the backward graphs each sum is in flight while the weight gradients are computed (:func:`overlap_tensor_sums`).
+Layers traced in a nested graph (a checkpointed region's body) get theirs there, and a layer traced in the graphs
+without a product to place them after raises, naming it. In the backward graphs each sum is in flight while the weight
+gradients are computed (:func:`overlap_tensor_sums`).
 """
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.fx import GraphModule, Node
@@ -25,25 +27,32 @@ _PRODUCTS = {torch.matmul, torch._C._nn.linear, torch.nn.functional.linear}
 
 
 def _layer_of(node: Node) -> Optional[Tuple[str, str]]:
-    """The innermost module ``node`` was traced in, as (its key in the stack, its class's name)."""
+    """The innermost module ``node`` was traced in, as (its path in the traced model, its class's name). A node of a
+    nested graph (a checkpointed region's body) keeps the stack it was traced with."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None
-    key, (_, cls) = list(stack.items())[-1]
-    return key, cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+    path, cls = list(stack.values())[-1]
+    return path, cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
 
 
-def place_tensor_collectives(gm: GraphModule, runtime_id: int) -> int:
-    """Place the collectives of every AutoTP layer traced in ``gm``; returns how many layers got them. A layer with
-    two products raises (its collective's place would be a guess)."""
-    placed: Dict[str, Node] = {}
+def graphs_of(gm: GraphModule) -> List[GraphModule]:
+    """``gm`` and every graph nested in it: the bodies of higher-order ops (activation checkpointing's
+    ``tag_activation_checkpoint``, ``wrap_with_autocast``, ...), which dynamo lifts into GraphModule attributes."""
+    return [module for module in gm.modules() if isinstance(module, GraphModule)]
+
+
+def _place_in(gm: GraphModule, runtime_id: int, placed: Dict[str, Node], reached: Set[str]) -> None:
+    """Place the collectives of the AutoTP layers whose products are in ``gm``'s own graph (``placed``: each layer's
+    product), and note every AutoTP layer any of its nodes was traced in (``reached``)."""
     entered: Dict[Node, Node] = {}  # an input -> its tp_enter, shared by the column-parallel layers reading it
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _PRODUCTS:
-            continue
         layer = _layer_of(node)
         kind = LAYER_KINDS.get(layer[1]) if layer is not None else None
         if kind is None:
+            continue
+        reached.add(layer[0])
+        if node.op != "call_function" or node.target not in _PRODUCTS:
             continue
         if layer[0] in placed:
             raise RuntimeError(f"deepspeed-compile: the AutoTP layer {layer[0]} computes more than one product in the "
@@ -64,6 +73,22 @@ def place_tensor_collectives(gm: GraphModule, runtime_id: int) -> int:
                 user.replace_input_with(node, summed)
     gm.graph.lint()
     gm.recompile()
+
+
+def place_tensor_collectives(gm: GraphModule, runtime_id: int) -> int:
+    """Place the collectives of every AutoTP layer traced in ``gm`` or in a graph nested in it; returns how many layers
+    got them. A layer with two products raises (its collective's place would be a guess), and so does a layer traced
+    here whose product was not found: its own collectives are switched off, and it would compute without any."""
+    placed: Dict[str, Node] = {}
+    reached: Set[str] = set()
+    for graph in graphs_of(gm):
+        _place_in(graph, runtime_id, placed, reached)
+    missed = sorted(reached - set(placed))
+    if missed:
+        raise RuntimeError(f"deepspeed-compile: the AutoTP layers {missed} were traced in a compiled graph without a "
+                           "product (a matmul or linear) the graph's collectives could be placed after; their own "
+                           "collectives are switched off, so they would compute without them. Compile without "
+                           "'autotp' in compile.passes for this model")
     return len(placed)
 
 

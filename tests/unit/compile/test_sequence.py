@@ -32,9 +32,36 @@ def _batch(step: int, group: int, length: int):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _model(name: str, layers: int = 2):
+class SequencePool(torch.nn.Module):
+    """Token embeddings scaled by a softmax over the sequence (each position's weight among all the row's positions,
+    times the sequence's length: a length used as a value), then a head and the cross-entropy of its logits, with no
+    attention: the softmax reads the whole sequence."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.score = torch.nn.Linear(dim, 1, bias=False)  # (a softmax ignores a shift: a bias's gradient is 0)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        from transformers.modeling_outputs import CausalLMOutput
+        h = self.embed(input_ids)
+        weights = torch.softmax(self.score(h), dim=1)  # [batch, seq, 1]: over the sequence
+        logits = self.head(torch.softmax(h, dim=-1) * weights * h.shape[1])  # this softmax over the features
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def _model(name: str, layers: int = 2, checkpointing: bool = False):
+    """``checkpointing``: with Hugging Face's gradient checkpointing (every decoder layer a checkpointed region)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
+    if name == "pool":
+        return SequencePool()
+    if name == "llama" and checkpointing:
+        model = _model(name, layers)
+        model.gradient_checkpointing_enable()
+        return model.train()
     if name == "llama":  # grouped-query attention: 4 query heads, 2 key/value heads
         return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -45,10 +72,11 @@ def _model(name: str, layers: int = 2):
                                       attn_pdrop=0.0, use_cache=False))
 
 
-def _engine(name: str, stage: int, sp: int, backend=None, dtype: str = "fp32", layers: int = 2, **section):
+def _engine(name: str, stage: int, sp: int, backend=None, dtype: str = "fp32", layers: int = 2,
+            checkpointing: bool = False, **section):
     import deepspeed
     from models import ds_config
-    model = _model(name, layers)
+    model = _model(name, layers, checkpointing)
     config = ds_config(stage=stage, batch=2, optimizer="sgd", dtype=dtype,
                        compile_section={"deepcompile": True, "passes": ["autosp"], **section} if backend else None)
     if backend:
@@ -74,16 +102,17 @@ def _train(engine, sp: int, steps: int):
     return {"losses": losses, "grads": grads, "params": full_params(engine)}
 
 
-def _against_eager(name: str, stage: int, sp: int, steps: int, backend: str = "eager", layers: int = 2):
+def _against_eager(name: str, stage: int, sp: int, steps: int, backend: str = "eager", layers: int = 2,
+                   checkpointing: bool = False):
     """The split model and eager ZeRO of the same stage, trained alike."""
     from deepspeed.compile.report import engine_report
     torch._dynamo.reset()
-    engine = _engine(name, stage, sp, backend, layers=layers)
+    engine = _engine(name, stage, sp, backend, layers=layers, checkpointing=checkpointing)
     out = _train(engine, sp, steps)
     out["report"] = engine_report(engine)
     out["layers"] = layers
     engine.destroy()
-    reference = _engine(name, stage, sp, layers=layers)
+    reference = _engine(name, stage, sp, layers=layers, checkpointing=checkpointing)
     out["eager"] = _train(reference, sp, steps)
     reference.destroy()
     return out
@@ -166,11 +195,53 @@ def two_ranks():
     return run_distributed(_two_ranks, len(LENGTHS), timeout_s=570)
 
 
-def _check(r):
+def _with_whole_op_warnings(run):
+    """``run()``'s result, with the warnings DeepSpeed's logger gave while it ran that name ops run whole."""
+    import logging
+    from deepspeed.utils import logger
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "ran these ops on the whole sequence" in record.getMessage():
+                seen.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        out = run()
+    finally:
+        logger.removeHandler(handler)
+    out["whole_op_warnings"] = seen
+    return out
+
+
+def _two_ranks_more(steps):
+    """ZeRO-1: a model with a softmax over the sequence, and the Llama under Hugging Face's gradient checkpointing,
+    with the warnings each gave about ops run whole."""
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    # no attention layer in the first: no mask decided at run time
+    return {("pool", 1): _with_whole_op_warnings(lambda: _against_eager("pool", 1, 2, steps, layers=0)),
+            ("llama", 1, "checkpointing"): _with_whole_op_warnings(
+                lambda: _against_eager("llama", 1, 2, steps, checkpointing=True))}
+
+
+@pytest.fixture(scope="module")
+def two_ranks_more():
+    """A second launch of 2 ranks: the first is at its time limit."""
+    return run_distributed(_two_ranks_more, len(LENGTHS), timeout_s=400)
+
+
+def _check(r, whole_ops=None, run_time_masks=None):
+    """``whole_ops``: the ops the model runs on the whole sequence (none in a transformer whose every layer is split);
+    ``run_time_masks``: the attentions whose mask is decided per run (each layer's, unless said)."""
     from compare import FP32_REORDER_TOL, max_rel_diff, rel_diffs
     report = r["report"]
     assert report is not None and report["sequence_parallel_size"] > 1 and report["sequence_collectives"] > 0, report
-    assert report["run_time_masks"] == r["layers"], report  # each layer's mask (symbolic length) is decided per run
+    assert report["sequence_whole_ops"] == (whole_ops or {}), report["sequence_whole_ops"]
+    # each layer's mask (symbolic length) is decided per run
+    assert report["run_time_masks"] == (r["layers"] if run_time_masks is None else run_time_masks), report
     assert max_rel_diff(r["losses"], r["eager"]["losses"]) <= LOSS_TOL, (r["losses"], r["eager"]["losses"])
     grads = rel_diffs(r["grads"], r["eager"]["grads"])
     assert max(grads.values()) <= FP32_REORDER_TOL, ("grads", sorted(grads.items(), key=lambda kv: -kv[1])[:3])
@@ -185,6 +256,29 @@ def test_sequence_parallel_trains_as_the_unsharded_model(two_ranks, case):
     reordering the same tolerance covers: ``compare.FP32_REORDER_TOL``)."""
     for result in two_ranks:
         _check(result[case])
+
+
+def test_sequence_parallel_splits_every_checkpointed_layer(two_ranks_more):
+    """Hugging Face's gradient checkpointing: each decoder layer is a checkpointed region, a body graph of its own in
+    the dynamo graph, rewritten there: every layer split (nothing run on the whole sequence; the all-to-alls of q, k, v
+    and the attention's output in each of 2 layers, the loss's sum and the logits' gather), and the model trains as
+    the unsplit one. The attentions inside the regions keep the mask the model built (none is decided at run time:
+    that pass reads the top-level graph)."""
+    for result in two_ranks_more:
+        r = result[("llama", 1, "checkpointing")]
+        _check(r, run_time_masks=0)
+        assert r["report"]["sequence_collectives"] == 4 * 2 + 2, r["report"]
+        assert r["whole_op_warnings"] == [], r["whole_op_warnings"]
+
+
+def test_a_softmax_over_the_sequence_runs_on_the_whole_sequence(two_ranks_more):
+    """A softmax over the sequence dimension of a block normalizes over every position of the row: its input is
+    gathered (one softmax counted in the report, the only op run whole: the softmax over the features stays split;
+    one warning names it, over three steps), and the model trains as the unsplit one."""
+    for result in two_ranks_more:
+        r = result[("pool", 1)]
+        _check(r, whole_ops={"softmax": 1})
+        assert len(r["whole_op_warnings"]) == 1 and "softmax (x1)" in r["whole_op_warnings"][0], r["whole_op_warnings"]
 
 
 def test_sequence_parallel_in_bf16_is_as_accurate_as_eager_zero3(two_ranks):
@@ -240,34 +334,92 @@ def test_sequence_parallel_at_4_ranks():
             _check(result[case])
 
 
-def test_the_rewrite_splits_every_layer():
-    """Where the collectives go in a traced Llama: an all-to-all before each attention input and after attention,
-    one all-reduce for the loss, one all-gather for the logits the model returns; nothing gathered inside a layer."""
+def _rewritten(model, batch):
+    """The ops of ``model``'s dynamo graph as the sequence rewrite leaves it for rank 1 of 2 (``ops``: the graph's;
+    ``body_ops``: those of the graphs nested in it, a checkpointed region's), and what it reported. Traced as in a
+    DeepCompile forward (a checkpointed region's Python side effects traced, as the engine does)."""
     from deepspeed.compile.graph.sequence import shard_sequence
-    from deepspeed.compile.runtime import ops
+    from deepspeed.compile.integrations.ds_checkpointing import deepcompile_forward
     seen = {}
 
     def backend(gm, example_inputs):
-        collectives, cut = shard_sequence(gm, 0, 2, 1)
-        seen["cut"] = cut
-        seen["ops"] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        split = shard_sequence(gm, 0, 2, 1)
+        seen["cut"], seen["whole"] = split.cut_inputs, split.whole_ops
+        seen["ops"] = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+        seen["body_ops"] = [n.target for name, body in gm.named_modules() if name for n in body.graph.nodes
+                            if n.op in ("call_function", "call_method")]
         return gm.forward
 
-    model = _model("llama")
-    batch = _batch(0, 0, 16)
     for tensor in batch.values():
         torch._dynamo.maybe_mark_dynamic(tensor, 1)
-    with pytest.raises(Exception):  # the graph is not run: no sequence group exists in this process
+    torch._dynamo.reset()
+    with pytest.raises(Exception), deepcompile_forward():  # not run: no sequence group exists in this process
         torch.compile(model, backend=backend)(**batch)
     torch._dynamo.reset()
-    calls = seen["ops"]
-    assert len(seen["cut"]) == 1, seen["cut"]
-    assert calls.count(ops.SEQ_ALL_TO_ALL) == 4 * 2, calls.count(ops.SEQ_ALL_TO_ALL)
+    return seen
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_the_rewrite_splits_every_layer(checkpointing):
+    """Where the collectives go in a traced Llama: an all-to-all before each attention input and after attention,
+    one all-reduce for the loss, one all-gather for the logits the model returns; nothing gathered inside a layer.
+    With Hugging Face's gradient checkpointing each layer is a body graph of its own, where its all-to-alls go."""
+    from deepspeed.compile.runtime import ops
+    seen = _rewritten(_model("llama", checkpointing=checkpointing), _batch(0, 0, 16))
+    calls, bodies = seen["ops"], seen["body_ops"]
+    assert len(seen["cut"]) == 1 and seen["whole"] == {}, seen
+    assert (bodies if checkpointing else calls).count(ops.SEQ_ALL_TO_ALL) == 4 * 2, seen
+    assert ops.SEQ_ALL_GATHER not in bodies and ops.SEQ_ALL_REDUCE not in bodies, bodies
     assert calls.count(ops.SEQ_ALL_REDUCE) == 1
     assert calls.count(ops.SEQ_ALL_GATHER) == 1  # the logits returned
-    gather_at = calls.index(ops.SEQ_ALL_GATHER)
-    assert gather_at > max(i for i, t in enumerate(calls) if t is ops.SEQ_ALL_TO_ALL)
+    if not checkpointing:
+        gather_at = calls.index(ops.SEQ_ALL_GATHER)
+        assert gather_at > max(i for i, t in enumerate(calls) if t is ops.SEQ_ALL_TO_ALL)
     assert operator.floordiv in calls
+
+
+class _Reads(torch.nn.Module):
+    """Embeddings ``[batch, seq, dim]`` through one op, then summed over the features (a per-position reduction)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 8)
+        self.op = op
+
+    def forward(self, input_ids):
+        return self.op(self.embed(input_ids)).sum(dim=-1)
+
+
+# (op, whether it reads across the sequence, the name the report gives it)
+_READS = {
+    "softmax over the sequence": (lambda h: torch.softmax(h, dim=1), True, "softmax"),
+    "softmax over the features": (lambda h: torch.softmax(h, dim=-1), False, None),
+    "log_softmax method over the sequence": (lambda h: h.log_softmax(-2), True, "log_softmax"),
+    "mean over the sequence, kept": (lambda h: h.mean(dim=1, keepdim=True) + h, True, "mean"),
+    "sum over the features, kept": (lambda h: h.sum(dim=(-1, ), keepdim=True) * h, False, None),
+    "cumsum over the sequence": (lambda h: h.cumsum(1), True, "cumsum"),
+    "layer_norm over sequence and features": (lambda h: torch.nn.functional.layer_norm(h, h.shape[1:]), True,
+                                              "layer_norm"),
+    "layer_norm over the features": (lambda h: torch.nn.functional.layer_norm(h, h.shape[-1:]), False, None),
+    "matmul contracting the sequence": (lambda h: h.transpose(1, 2).matmul(h), True, "matmul"),
+}
+
+
+@pytest.mark.parametrize("case", list(_READS))
+def test_an_op_reading_across_the_sequence_runs_on_the_whole_sequence(case):
+    """Each per-position op keeps a block only where it reads nothing across the sequence: one that normalizes,
+    reduces or contracts over it gets its input gathered first (and is counted by name); one over the features stays
+    split, and nothing is gathered before the graph's output."""
+    from deepspeed.compile.runtime import ops
+    op, across, name = _READS[case]
+    seen = _rewritten(_Reads(op), {"input_ids": torch.randint(0, 96, (2, 16))})
+    gathers = [i for i, t in enumerate(seen["ops"]) if t is ops.SEQ_ALL_GATHER]
+    assert len(seen["cut"]) == 1, seen
+    if across:
+        # gathered before the op, not only the output (a full result meeting a block again is cut, not gathered)
+        assert seen["whole"] == {name: 1} and gathers[0] < len(seen["ops"]) - 2, seen
+    else:
+        assert seen["whole"] == {} and gathers == [len(seen["ops"]) - 1], seen  # only the output, gathered last
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
