@@ -148,15 +148,17 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
 
 
 def assert_transport(r: Dict[str, Any], host_comm: str) -> None:
-    """The compiled engine's collectives went where ``compile.host_comm`` sends them: ``"gloo"`` the process group;
-    ``"auto"`` shared memory unless host_comm's own rule says these ranks cannot share it."""
-    expected = "gloo" if host_comm == "gloo" or r["shm_unavailable"] else "shm"
-    assert r["host_comm"] == expected, (host_comm, r["host_comm"], r["shm_unavailable"])
+    """The compiled engine's collectives went where a test with ``compile.host_comm`` ``host_comm`` expects them
+    (``machine.expected_transport``: ``"auto"`` is shared memory on the tests' machines). The product's own reason
+    why not, where it gave one, is in the message only."""
+    from machine import expected_transport
+    expected = expected_transport(host_comm)
+    assert r["host_comm"] == expected, (host_comm, expected, r["host_comm"], r["shm_unavailable"])
 
 
 def shm_unavailable(engine) -> Optional[str]:
-    """Why the engine's ranks cannot share memory for the runtime's collectives (the rule ``compile.host_comm`` "auto"
-    resolves by), or None: where it says why, "auto" goes through the process group. A collective."""
+    """Why the engine's ranks cannot share memory for the runtime's collectives by the product's own rule, or None: a
+    failed check's message quotes it, no expectation reads it. A collective."""
     from deepspeed.compile.runtime.host_comm import host_comm_unavailable
     return host_comm_unavailable(engine.optimizer.dp_process_group, torch.device(engine.device))
 

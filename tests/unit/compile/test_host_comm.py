@@ -256,6 +256,32 @@ def test_a_shared_directory_works_and_closing_returns_everything():
             assert r == {"outcome": "shm", "left": [], "mapped_open": 2, "mapped_closed": 0}, r
 
 
+def _auto_in_an_engine() -> dict:
+    """What ``compile.host_comm`` "auto" (the default) chose in a compiled engine on this machine, and why not shared
+    memory where it did not."""
+    from deepspeed.compile.report import engine_report
+    from models import ds_config
+    from training import make_engine, train
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True}))
+    train(engine, "gpt", 1, compile_kwargs={"backend": "eager"})
+    report = engine_report(engine)
+    engine.destroy()
+    return {"host_comm": report["host_comm"], "reason": report["host_comm_reason"]}
+
+
+def test_auto_takes_shared_memory_on_this_machine():
+    """The guard behind every test that expects shared memory of "auto" (``machine.expected_transport``): a compiled
+    engine at the default setting took it here, in ``/dev/shm``. Under CI it must, whatever this machine is: a CI run
+    whose ranks talk through the process group fails here, with the product's reason, instead of testing gloo twice.
+    Elsewhere it skips where the machine offers no shared memory (``machine.shared_memory_missing``)."""
+    from machine import expected_transport, require_shared_memory
+    require_shared_memory()
+    assert expected_transport("auto") == "shm"
+    for r in run_distributed(_auto_in_an_engine, timeout_s=120):
+        assert r["host_comm"] == "shm", f"compile.host_comm 'auto' chose {r['host_comm']} here: {r['reason']}"
+        assert r["reason"] is None, r
+
+
 def _small_tmpfs(mib: int):
     """A tmpfs of ``mib`` MiB mounted on a new directory (a container's small /dev/shm), or None where this process
     may not mount one."""
