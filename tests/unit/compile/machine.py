@@ -1,6 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the tests expect of the machine they run on, stated by the tests themselves (never read from the code under
-test).
+test), and the one list of the skips a test may take for want of something on the machine.
+
+Skips: a test that cannot run here for a fact about the machine calls :func:`unavailable_here` with a key of
+``ALLOWED_OUTSIDE_CI``. Outside CI it skips, saying why; under ``CI=true`` it fails instead, so that CI never passes
+a check it did not run. No test skips any other way (``test_docs.py`` checks that).
 
 The transport: every test's ranks are processes of this machine, on CPU, with gloo, so ``compile.host_comm`` "auto"
 must take shared memory wherever this machine offers it at all (x86-64, a ``/dev/shm`` directory). Under ``CI=true``
@@ -9,7 +13,7 @@ gave, and so does every test that expects it.
 """
 import os
 import platform
-from typing import Optional
+from typing import NoReturn, Optional
 
 SHM_DIR = "/dev/shm"  # compile.host_comm_dir's default
 
@@ -39,10 +43,32 @@ def expected_transport(host_comm: str) -> str:
     return "shm" if under_ci() or shared_memory_missing() is None else "gloo"
 
 
-def require_shared_memory() -> None:
-    """A test that needs shared memory between its ranks skips where this machine offers none, outside CI only (under
-    CI the test runs, and fails where the product cannot set it up, naming why)."""
+# the skips allowed outside CI: what the machine lacks, for each key of unavailable_here
+ALLOWED_OUTSIDE_CI = {
+    "native_op": "the native op cannot be built here",
+    "cuda_check": "the CUDA compile check cannot run here",
+    "shared_memory": "no shared memory between processes here",
+    "tmpfs": "mounting a tmpfs (a container's small /dev/shm) is not allowed here",
+    "malloc_trim": "the C library has no malloc_trim (not glibc) or there is no /proc/self/statm",
+    "allocator_reuse": "the allocator never reused a freed address",
+    "installed": "deepspeed-compile is not installed in this environment (pip install . installs it)",
+    "checkout": "deepspeed.compile is not this checkout's",
+}
+
+
+def unavailable_here(what: str, detail: str = "", ci: Optional[bool] = None) -> NoReturn:
+    """The test cannot run on this machine for want of ``what`` (a key of ``ALLOWED_OUTSIDE_CI``; ``detail`` says
+    more): it fails under CI (``ci``: :func:`under_ci` unless given), and elsewhere skips, saying why."""
     import pytest
+    reason = ALLOWED_OUTSIDE_CI[what] + (f": {detail}" if detail else "")
+    if under_ci() if ci is None else ci:
+        pytest.fail(f"CI must run this test, but {reason}")
+    pytest.skip(reason)
+
+
+def require_shared_memory() -> None:
+    """A test that needs shared memory between its ranks: where this machine, as the test sees it, offers none, it
+    fails under CI and skips elsewhere (:func:`unavailable_here`)."""
     missing = shared_memory_missing()
-    if missing is not None and not under_ci():
-        pytest.skip(f"no shared memory between processes here: {missing}")
+    if missing is not None:
+        unavailable_here("shared_memory", missing)
