@@ -292,6 +292,7 @@ def loss_fell(losses: List[float], window: int = 2, by: float = 0.0) -> bool:
 # the compiled graph runs aten's decomposition (addmm): both are correct but round differently in bf16, whose unit
 # round-off is 2^-8 (8 significant bits).
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
+BF16_OWN_ERROR_CAP = 0.05  # see check_bf16_against_eager
 
 
 def bf16_grad_bound(eager_grads: Tensors, fp32_grads: Tensors) -> float:
@@ -328,7 +329,11 @@ def check_bf16_against_eager(r: Dict[str, Any], dtype: str) -> Dict[str, float]:
     own :func:`bf16_grad_bounds`. Returns what it measured (the worst ratio of a difference to its bound)."""
     bounds = bf16_grad_bounds(r["eager_grads"][0], r["fp32_grads"][0])
     worst_own = max(bounds.values()) / 2
-    assert worst_own < 0.05, f"eager ZeRO-3's own {dtype} gradient error is implausibly large: {worst_own:.3g}"
+    # a sanity cap on the bound itself (which then reaches at most twice it): eager ZeRO-3's own error, worst parameter,
+    # measured 0.024 in bf16 and 0.012 under autocast (test_pipeline.py, 2 ranks, the GPT), a few bf16 roundings (2^-8)
+    # accumulated over the backward; the cap is twice the bf16 measurement, under the 50 % a wrong scale would show
+    assert worst_own < BF16_OWN_ERROR_CAP, f"eager ZeRO-3's own {dtype} gradient error is implausibly large: " \
+        f"{worst_own:.3g}"
     grad_diff = rel_diffs(r["grads"][0], r["eager_grads"][0])
     drift = drift_over_movement(r)
     assert grad_diff.keys() == drift.keys() == bounds.keys(), (sorted(grad_diff), sorted(drift), sorted(bounds))
