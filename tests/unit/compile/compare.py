@@ -246,6 +246,13 @@ def assert_bitwise_equal(r: Dict[str, Any]) -> None:
         assert not unequal(r[key], r[f"eager_{key}"]), f"{key} differ: {unequal(r[key], r['eager_' + key])}"
 
 
+def assert_same_training(a: Dict[str, Any], b: Dict[str, Any]) -> None:
+    """Two compiled runs (:func:`run_compiled`) trained alike bit for bit: every loss, global gradient norm, recorded
+    gradient, parameter, master parameter and buffer (as :func:`assert_bitwise_equal` compares one with eager ZeRO)."""
+    assert_bitwise_equal({**a, **{f"eager_{key}": b[key] for key in ("losses", "grad_norms", "grads", "params",
+                                                                       "master", "buffers")}})
+
+
 def rel_diffs(a: Tensors, b: Tensors) -> Dict[str, float]:
     """Per tensor, ||a - b|| / ||b|| (norm-wise relative difference; b is the reference)."""
     assert a.keys() == b.keys()

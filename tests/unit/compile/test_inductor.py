@@ -59,13 +59,17 @@ def check_fp32_close(r):
 
 def test_inductor_on_the_process_group_matches_eager_zero3(inductor_pairs):
     """The fp32 case of the test below with the collectives on the process group (compile.host_comm "gloo"): the same
-    graphs, another transport."""
-    from compare import assert_ran_compiled, assert_transport
+    graphs, another transport, bit for bit the shared-memory run's."""
+    from compare import assert_ran_compiled, assert_same_training, assert_transport
     for out in inductor_pairs:
         r = out["gloo"]
         assert_ran_compiled(r)
         assert_transport(r, "gloo")
+        assert_transport(out["fp32"], "auto")
         print("fp32 on gloo:", check_fp32_close(r))
+        # the same generated code on both transports, gathers that copy bits and 2-term sums (a + b == b + a): the
+        # same bits as the shared-memory run
+        assert_same_training(r, out["fp32"])
 
 
 def test_inductor_matches_eager_zero3_and_saves_no_parameter(inductor_pairs):

@@ -72,33 +72,44 @@ def test_fp32_matches_eager_zero3(model, optimizer, host_comm):
             assert r["saved"]["other_bytes"] > 0
 
 
-def _bf16_pair(dtype, section):
-    """The compiled engine and eager ZeRO-3 in ``dtype`` under SGD, and eager ZeRO-3's fp32 gradient at step 0."""
-    from compare import run_eager, run_pair
-    r = run_pair("gpt", STEPS, dtype=dtype, optimizer="sgd", grad_steps=1, compile_section=section)
-    r["fp32_grads"] = run_eager("gpt", 1, optimizer="sgd", grad_steps=1)["eager_grads"]
-    return r
+def _bf16_pairs(dtype, section, transports):
+    """The compiled engine on each of ``transports`` (compile.host_comm) and eager ZeRO-3, all in ``dtype`` under SGD,
+    and eager ZeRO-3's fp32 gradient at step 0: one eager run for every compiled one."""
+    from compare import run_compiled, run_eager
+    eager = run_eager("gpt", STEPS, dtype=dtype, optimizer="sgd", grad_steps=1)
+    fp32_grads = run_eager("gpt", 1, optimizer="sgd", grad_steps=1)["eager_grads"]
+    return {host_comm: {**eager, "fp32_grads": fp32_grads,
+                        **run_compiled("gpt", STEPS, dtype=dtype, optimizer="sgd", grad_steps=1,
+                                       compile_section={**section, "host_comm": host_comm})}
+            for host_comm in transports}
 
 
 # autocast with the default partitioner too: test_partitioner_and_fused_cast_effects compares its losses only
-@pytest.mark.parametrize("dtype, section", [("autocast", {}), ("bf16", {}), ("autocast", {"partitioner": "default"}),
-                                            ("autocast", {"host_comm": "gloo"}), ("bf16", {"host_comm": "gloo"})],
-                         ids=["autocast", "bf16", "autocast-default-partition", "autocast-gloo", "bf16-gloo"])
-def test_bf16_matches_eager_zero3(dtype, section):
-    from compare import assert_ran_compiled, assert_transport, check_bf16_against_eager, loss_fell
-    for r in run_distributed(_bf16_pair, dtype, section):
-        assert_ran_compiled(r)
-        assert_transport(r, section.get("host_comm", "auto"))
-        assert r["live_after_step"] == [0] * STEPS
-        assert loss_fell(r["losses"], by=0.002), r["losses"]
-        measured = check_bf16_against_eager(r, dtype)
-        print(f"{dtype}: " + ", ".join(f"{k} {v:.3g}" for k, v in measured.items()))
-        # the default partition saves them
-        assert (r["saved"]["param_bytes"] == 0) == (section.get("partitioner") != "default"), r["saved"]
-        if dtype == "bf16":  # the bf16 parameters are the fp32 master weights rounded, on both engines
-            for key in ("", "eager_"):
-                params, master = r[key + "params"], r[key + "master"]
-                assert all(torch.equal(params[k], master[k].bfloat16().float()) for k in params), key
+@pytest.mark.parametrize("dtype, section, transports", [("autocast", {}, ("auto", "gloo")),
+                                                        ("bf16", {}, ("auto", "gloo")),
+                                                        ("autocast", {"partitioner": "default"}, ("auto", ))],
+                         ids=["autocast", "bf16", "autocast-default-partition"])
+def test_bf16_matches_eager_zero3(dtype, section, transports):
+    """Each transport against eager ZeRO-3 within the stated bounds, and the two transports against each other bit for
+    bit: the same graphs, gathers that copy bits, and a reduction of 2 terms, which rounds once either way."""
+    from compare import (assert_ran_compiled, assert_same_training, assert_transport, check_bf16_against_eager,
+                         loss_fell)
+    for by_transport in run_distributed(_bf16_pairs, dtype, section, transports):
+        for host_comm, r in by_transport.items():
+            assert_ran_compiled(r)
+            assert_transport(r, host_comm)
+            assert r["live_after_step"] == [0] * STEPS
+            assert loss_fell(r["losses"], by=0.002), r["losses"]
+            measured = check_bf16_against_eager(r, dtype)
+            print(f"{dtype} ({host_comm}): " + ", ".join(f"{k} {v:.3g}" for k, v in measured.items()))
+            # the default partition saves them
+            assert (r["saved"]["param_bytes"] == 0) == (section.get("partitioner") != "default"), r["saved"]
+            if dtype == "bf16":  # the bf16 parameters are the fp32 master weights rounded, on both engines
+                for key in ("", "eager_"):
+                    params, master = r[key + "params"], r[key + "master"]
+                    assert all(torch.equal(params[k], master[k].bfloat16().float()) for k in params), key
+        if len(transports) == 2:
+            assert_same_training(by_transport["auto"], by_transport["gloo"])
 
 
 def _traffic_and_saved(model):
