@@ -148,19 +148,28 @@ def test_partitioner_and_fused_cast_effects():
                 assert losses == eager_losses, (name, eager_losses, losses)
 
 
-@pytest.mark.parametrize("host_comm", ["auto", "gloo"])
-def test_gradient_accumulation_matches_eager_zero3(host_comm):
-    # gradients compared after each of the 10 backwards: the accumulated gradient's scale
+def _pairs_on_both_transports(model, steps, grad_accum):
+    """:func:`_pair` in fp32 on each transport (compile.host_comm "auto" and "gloo"), one eager ZeRO-3 run for both."""
+    from compare import run_compiled, run_eager
+    common = dict(grad_accum=grad_accum, grad_steps=None)
+    eager = run_eager(model, steps, **common)
+    return {host_comm: {**eager, **run_compiled(model, steps, compile_section={"host_comm": host_comm}, **common)}
+            for host_comm in ("auto", "gloo")}
+
+
+def test_gradient_accumulation_matches_eager_zero3():
+    # gradients compared after each of the 10 backwards: the accumulated gradient's scale; both transports in one launch
     from compare import assert_bitwise_equal, assert_transport
-    for r in run_distributed(_pair, "gpt", "fp32", {"host_comm": host_comm}, 5, 2):
-        _check_common(r, steps=5, grad_accum=2)
-        assert_transport(r, host_comm)
-        assert len(r["grads"]) == 10
-        assert_bitwise_equal(r)
-        # the second micro-step's gradient is the sum of both: not equal to the first
-        assert not torch.equal(r["grads"][0]["tok.weight"], r["grads"][1]["tok.weight"])
-        # the allocator's free memory goes back to the OS before each optimizer step, not after every backward
-        assert r["host_memory_release"] and r["host_memory_releases"] == 5, r["host_memory_releases"]
+    for by_transport in run_distributed(_pairs_on_both_transports, "gpt", 5, 2):
+        for host_comm, r in by_transport.items():
+            _check_common(r, steps=5, grad_accum=2)
+            assert_transport(r, host_comm)
+            assert len(r["grads"]) == 10
+            assert_bitwise_equal(r)
+            # the second micro-step's gradient is the sum of both: not equal to the first
+            assert not torch.equal(r["grads"][0]["tok.weight"], r["grads"][1]["tok.weight"])
+            # the allocator's free memory goes back to the OS before each optimizer step, not after every backward
+            assert r["host_memory_release"] and r["host_memory_releases"] == 5, r["host_memory_releases"]
 
 
 def test_graph_break_trains_correctly():
