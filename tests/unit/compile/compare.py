@@ -148,15 +148,17 @@ def run_compiled(model: str, steps: int, dtype: str = "fp32", compile_section: O
 
 
 def assert_transport(r: Dict[str, Any], host_comm: str) -> None:
-    """The compiled engine's collectives went where ``compile.host_comm`` sends them: ``"gloo"`` the process group;
-    ``"auto"`` shared memory unless host_comm's own rule says these ranks cannot share it."""
-    expected = "gloo" if host_comm == "gloo" or r["shm_unavailable"] else "shm"
-    assert r["host_comm"] == expected, (host_comm, r["host_comm"], r["shm_unavailable"])
+    """The compiled engine's collectives went where a test with ``compile.host_comm`` ``host_comm`` expects them
+    (``machine.expected_transport``: ``"auto"`` is shared memory on the tests' machines). The product's own reason
+    why not, where it gave one, is in the message only."""
+    from machine import expected_transport
+    expected = expected_transport(host_comm)
+    assert r["host_comm"] == expected, (host_comm, expected, r["host_comm"], r["shm_unavailable"])
 
 
 def shm_unavailable(engine) -> Optional[str]:
-    """Why the engine's ranks cannot share memory for the runtime's collectives (the rule ``compile.host_comm`` "auto"
-    resolves by), or None: where it says why, "auto" goes through the process group. A collective."""
+    """Why the engine's ranks cannot share memory for the runtime's collectives by the product's own rule, or None: a
+    failed check's message quotes it, no expectation reads it. A collective."""
     from deepspeed.compile.runtime.host_comm import host_comm_unavailable
     return host_comm_unavailable(engine.optimizer.dp_process_group, torch.device(engine.device))
 
@@ -244,6 +246,13 @@ def assert_bitwise_equal(r: Dict[str, Any]) -> None:
         assert not unequal(r[key], r[f"eager_{key}"]), f"{key} differ: {unequal(r[key], r['eager_' + key])}"
 
 
+def assert_same_training(a: Dict[str, Any], b: Dict[str, Any]) -> None:
+    """Two compiled runs (:func:`run_compiled`) trained alike bit for bit: every loss, global gradient norm, recorded
+    gradient, parameter, master parameter and buffer (as :func:`assert_bitwise_equal` compares one with eager ZeRO)."""
+    assert_bitwise_equal({**a, **{f"eager_{key}": b[key] for key in ("losses", "grad_norms", "grads", "params",
+                                                                       "master", "buffers")}})
+
+
 def rel_diffs(a: Tensors, b: Tensors) -> Dict[str, float]:
     """Per tensor, ||a - b|| / ||b|| (norm-wise relative difference; b is the reference)."""
     assert a.keys() == b.keys()
@@ -290,6 +299,7 @@ def loss_fell(losses: List[float], window: int = 2, by: float = 0.0) -> bool:
 # the compiled graph runs aten's decomposition (addmm): both are correct but round differently in bf16, whose unit
 # round-off is 2^-8 (8 significant bits).
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
+BF16_OWN_ERROR_CAP = 0.05  # see check_bf16_against_eager
 
 
 def bf16_grad_bound(eager_grads: Tensors, fp32_grads: Tensors) -> float:
@@ -326,7 +336,11 @@ def check_bf16_against_eager(r: Dict[str, Any], dtype: str) -> Dict[str, float]:
     own :func:`bf16_grad_bounds`. Returns what it measured (the worst ratio of a difference to its bound)."""
     bounds = bf16_grad_bounds(r["eager_grads"][0], r["fp32_grads"][0])
     worst_own = max(bounds.values()) / 2
-    assert worst_own < 0.05, f"eager ZeRO-3's own {dtype} gradient error is implausibly large: {worst_own:.3g}"
+    # a sanity cap on the bound itself (which then reaches at most twice it): eager ZeRO-3's own error, worst parameter,
+    # measured 0.024 in bf16 and 0.012 under autocast (test_pipeline.py, 2 ranks, the GPT), a few bf16 roundings (2^-8)
+    # accumulated over the backward; the cap is twice the bf16 measurement, under the 50 % a wrong scale would show
+    assert worst_own < BF16_OWN_ERROR_CAP, f"eager ZeRO-3's own {dtype} gradient error is implausibly large: " \
+        f"{worst_own:.3g}"
     grad_diff = rel_diffs(r["grads"][0], r["eager_grads"][0])
     drift = drift_over_movement(r)
     assert grad_diff.keys() == drift.keys() == bounds.keys(), (sorted(grad_diff), sorted(drift), sorted(bounds))

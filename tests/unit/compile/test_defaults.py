@@ -214,20 +214,16 @@ def _reduce_bytes(steps):
     import torch
     import models_eager
     from collectives import count_reductions
-    from deepspeed.compile.runtime.host_comm import host_comm_unavailable
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
-    # where the ranks cannot share memory (compile.host_comm's rule says why), "shm" is an error at compile
-    unavailable = host_comm_unavailable(None, torch.device("cpu"))
     out = {}
     for precision, extra in PRECISIONS.items():
-        out[precision] = {} if unavailable is None else {"deepcompile-shm": {"unavailable": unavailable}}
+        out[precision] = {}
         # every parameter sharded
         # DeepCompile's reduces counted where they meet the process group (host_comm "gloo"), and through shared
-        # memory (its default on one host), where only engine_report counts them
-        sections = (DEEPCOMPILE[0], ("deepcompile", {"deepcompile": True, "host_comm": "gloo"}))
-        if unavailable is None:
-            sections += (("deepcompile-shm", {"deepcompile": True, "host_comm": "shm"}), )
+        # memory (its default on one host: every test machine's, machine.py), where only engine_report counts them
+        sections = (DEEPCOMPILE[0], ("deepcompile", {"deepcompile": True, "host_comm": "gloo"}),
+                    ("deepcompile-shm", {"deepcompile": True, "host_comm": "shm"}))
         for name, engine in _engines("plain", zero_overrides={"stage3_param_persistence_threshold": 0}, extra=extra,
                                      sections=sections):
             idx, targets = models_eager.batch(0, rank, 12)
@@ -265,23 +261,20 @@ def test_gradients_travel_in_each_parameters_comm_dtype():
     gradient norms agree within bf16's resolution (2^-8 relative: the compiled bf16 graphs round differently from
     eager ZeRO-3's modules; a gradient reduced at the wrong scale or reinterpreted in another dtype is off by far
     more)."""
+    from machine import require_shared_memory
+    require_shared_memory()
     for r in run_distributed(_reduce_bytes, 3):
         for precision, by_engine in r.items():
             dc, eager = by_engine["deepcompile"], by_engine["eager"]
             assert dc["active"] and dc["reduces"] > 0, (precision, dc)
             assert dc["bytes"] - dc["agreement_bytes"] == eager["bytes"] > 0, (precision, dc, eager["bytes"])
             assert dc["host_comm"] == "gloo", dc
-            # through shared memory, where the ranks can share it: the same gradient bytes, none of them through the
-            # process group
+            # through shared memory: the same gradient bytes, none of them through the process group
             shm = by_engine["deepcompile-shm"]
-            if "unavailable" in shm:
-                print(f"{precision}: no shared memory here ({shm['unavailable']})")
-                shm = dc
-            else:
-                assert shm["host_comm"] == "shm", shm
-                assert shm["reduce_bytes"] == dc["reduce_bytes"] > 0, (precision, shm, dc)
-                # through the process group: the norms' scalars only
-                assert 0 < shm["bytes"] * 100 < dc["bytes"], (precision, shm["bytes"], dc["bytes"])
+            assert shm["active"] and shm["host_comm"] == "shm", shm
+            assert shm["reduce_bytes"] == dc["reduce_bytes"] > 0, (precision, shm, dc)
+            # through the process group: the norms' scalars only
+            assert 0 < shm["bytes"] * 100 < dc["bytes"], (precision, shm["bytes"], dc["bytes"])
             for run in (dc, shm):
                 worst = max(abs(a - b) / b for a, b in zip(run["grad_norms"], eager["grad_norms"]))
                 assert worst <= 2 ** -8, (precision, run["grad_norms"], eager["grad_norms"])

@@ -12,6 +12,7 @@ import pytest
 
 import checkout
 from distributed import RankFailure, RankTimeout, run_distributed
+from machine import unavailable_here
 
 
 def _active_module_file(env_value):
@@ -39,7 +40,7 @@ def test_installed_package_takes_precedence():
     try:
         metadata.distribution("deepspeed-compile")
     except metadata.PackageNotFoundError:
-        pytest.skip("deepspeed-compile is not installed in this environment (pip install . installs it)")
+        unavailable_here("installed")
     path = _active_module_file(None)
     assert path.endswith(os.path.join("deepspeed_compile", "__init__.py")), path
     # DeepSpeed's own files are untouched: the stock module is still there beside ours.
@@ -53,7 +54,7 @@ def test_uninstalling_leaves_the_stock_module():
     try:
         dist = metadata.distribution("deepspeed-compile")
     except metadata.PackageNotFoundError:
-        pytest.skip("deepspeed-compile is not installed in this environment (pip install . installs it)")
+        unavailable_here("installed")
     files = [str(f) for f in dist.files]
     dist_info = f"deepspeed_compile-{dist.version}.dist-info/"
     outside = sorted(f for f in files if not f.startswith(("deepspeed_compile/", dist_info)))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from deepspeed.compile.runtime.host_comm import HostComm, HostCommError, open_host_comm, start_sum
 from distributed import run_distributed
+from machine import unavailable_here
 
 WAIT = datetime.timedelta(seconds=60)
 
@@ -256,14 +257,42 @@ def test_a_shared_directory_works_and_closing_returns_everything():
             assert r == {"outcome": "shm", "left": [], "mapped_open": 2, "mapped_closed": 0}, r
 
 
+def _auto_in_an_engine() -> dict:
+    """What ``compile.host_comm`` "auto" (the default) chose in a compiled engine on this machine, and why not shared
+    memory where it did not."""
+    from deepspeed.compile.report import engine_report
+    from models import ds_config
+    from training import make_engine, train
+    engine = make_engine("gpt", ds_config(3, {"deepcompile": True}))
+    train(engine, "gpt", 1, compile_kwargs={"backend": "eager"})
+    report = engine_report(engine)
+    engine.destroy()
+    return {"host_comm": report["host_comm"], "reason": report["host_comm_reason"]}
+
+
+def test_auto_takes_shared_memory_on_this_machine():
+    """The guard behind every test that expects shared memory of "auto" (``machine.expected_transport``): a compiled
+    engine at the default setting took it here, in ``/dev/shm``. Under CI it must, whatever this machine is: a CI run
+    whose ranks talk through the process group fails here, with the product's reason, instead of testing gloo twice.
+    Elsewhere it skips where the machine offers no shared memory (``machine.shared_memory_missing``)."""
+    from machine import expected_transport, require_shared_memory
+    require_shared_memory()
+    assert expected_transport("auto") == "shm"
+    for r in run_distributed(_auto_in_an_engine, timeout_s=120):
+        assert r["host_comm"] == "shm", f"compile.host_comm 'auto' chose {r['host_comm']} here: {r['reason']}"
+        assert r["reason"] is None, r
+
+
 def _small_tmpfs(mib: int):
-    """A tmpfs of ``mib`` MiB mounted on a new directory (a container's small /dev/shm), or None where this process
-    may not mount one."""
+    """A tmpfs of ``mib`` MiB mounted on a new directory (a container's small /dev/shm). Where this process may not
+    mount one (it needs root; CI runs as root), the test fails under CI and skips elsewhere
+    (``machine.unavailable_here``)."""
     directory = tempfile.mkdtemp()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", directory], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", directory], capture_output=True,
+                          text=True)
     if done.returncode != 0:
         os.rmdir(directory)
-        return None
+        unavailable_here("tmpfs", done.stderr.strip())
     return directory
 
 
@@ -273,8 +302,6 @@ def test_a_directory_too_small_for_the_segments_is_agreed_at_set_up_not_a_crash_
     (enough free space for each rank alone, not for both: the space must be reserved, not only checked). A lazily
     backed file would set up fine and die of SIGBUS at its first write."""
     directory = _small_tmpfs(mib)
-    if directory is None:
-        pytest.skip("mounting a tmpfs needs root (the unshared-directory test covers the fallback without it)")
     try:
         for r in run_distributed(_rank_set_up, [directory], "auto", 1 << 20, timeout_s=60):
             assert r == {"outcome": "gloo", "left": [], "mapped_open": 0, "mapped_closed": 0}, r

@@ -7,11 +7,13 @@ tests (``test_pipeline.py``, gradient accumulation; ``test_zero12.py``)."""
 import pytest
 import torch
 
+from machine import unavailable_here
+
 
 def test_the_setting_turns_it_on_where_the_parameters_live_on_the_cpu():
     from deepspeed.compile.runtime.host_memory import HostHeap, malloc_trim
     if malloc_trim() is None:
-        pytest.skip("this C library has no malloc_trim (not glibc): the setting is off everywhere")
+        unavailable_here("malloc_trim", "the setting is off everywhere")
     assert HostHeap.for_setting("auto", "cpu").enabled
     assert not HostHeap.for_setting("auto", "cuda:0").enabled  # the step's gathered memory is the device's
     assert HostHeap.for_setting(True, "cuda:0").enabled  # the host memory of CPU offload
@@ -28,7 +30,7 @@ def test_a_release_hands_the_heaps_free_memory_back():
     from deepspeed.compile.runtime.host_memory import HostHeap, malloc_trim, resident_bytes
     trim = malloc_trim()
     if trim is None or resident_bytes() == 0:
-        pytest.skip("no malloc_trim or no /proc/self/statm here")
+        unavailable_here("malloc_trim")
     count, numel = 4096, 16 * 1024  # 4096 blocks of 64 KiB: 256 MiB, half of it freed
     blocks = [torch.ones(numel) for _ in range(count)]
     del blocks[::2]

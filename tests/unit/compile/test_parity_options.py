@@ -77,7 +77,8 @@ def results():
 
 @pytest.mark.parametrize("option", sorted(FP32_OPTIONS))
 def test_fp32_option_matches_eager_zero3(results, option):
-    from compare import assert_bitwise_equal, assert_one_graph_serves_both_blocks, assert_ran_compiled, loss_fell
+    from compare import (assert_bitwise_equal, assert_one_graph_serves_both_blocks, assert_ran_compiled,
+                         assert_transport, loss_fell)
     for out in results:
         r = out[option]
         # block by block, the model's own frame runs as Python and reads two parameters eagerly (see below)
@@ -86,9 +87,8 @@ def test_fp32_option_matches_eager_zero3(results, option):
         # every gathered copy was used by an op: under "blocks" each run was planned on the first block and moved to
         # the block it ran on (gathering the first block's parameters there instead trains the same, at a cost)
         assert r["counters"]["unclaimed_gathers"] == 0, r["counters"]
-        # gathers and reduces through shared memory where the ranks can share it (on one host), unless told otherwise
-        shm = option != "gloo" and r["shm_unavailable"] is None
-        assert r["host_comm"] == ("shm" if shm else "gloo"), (option, r["host_comm"], r["shm_unavailable"])
+        # gathers and reduces through shared memory ("auto": the ranks share this host), unless told otherwise
+        assert_transport(r, "gloo" if option == "gloo" else "auto")
         assert_bitwise_equal(r)
         assert loss_fell(r["losses"], by=0.01), r["losses"]
     assert not any(out[option]["ran_uncompiled"] for out in results)

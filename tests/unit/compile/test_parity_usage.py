@@ -495,7 +495,11 @@ def test_deepspeed_activation_checkpointing_is_compiled_and_matches_eager_zero3(
 
 
 # ----- world size 4 -----------------------------------------------------------------------------------------------
-WORLD4_TOL = 1e-6
+# per transport, the largest norm-wise relative difference allowed (see the test): about 3 and 10 times the worst
+# measured, 3.3e-7 through shared memory (the GPT's parameters after 3 steps; 1.2e-7 on the MLP's loss) and 4.2e-9
+# through gloo (the MLP's parameters; the GPT bitwise). Shared memory adds each element's 4 terms in rank order, gloo
+# in an order close to eager ZeRO-3's own
+WORLD4_TOL = {"auto": 1e-6, "gloo": 4e-8}
 
 
 def _world4_pairs():
@@ -524,7 +528,7 @@ def test_world_size_4_matches_eager_zero3(world4_pairs, host_comm):
     through shared memory with host_comm "auto" (all ranks on one host: the 4 terms added in rank order), or through
     the process group with "gloo" (gloo's order, at the element's other position). Either way a gradient may differ by
     the rounding of a re-associated 4-term sum: at most 3 * 2^-24 relative to the sum of the terms' magnitudes per
-    element; norm-wise 1e-6 relative is allowed (measured: 8e-9 on the MLP's fc1/head weights, bitwise on the GPT).
+    element, more relative to the sum where the terms cancel; ``WORLD4_TOL`` per transport.
     With 2 ranks a + b == b + a and everything is bitwise equal (test_pipeline.py). SGD, so parameters carry the
     gradients' scale."""
     from compare import assert_ran_compiled, assert_transport, max_rel_diff, rel_diffs, unequal
@@ -544,7 +548,7 @@ def test_world_size_4_matches_eager_zero3(world4_pairs, host_comm):
             for i, (g, eg) in enumerate(zip(r["grads"], r["eager_grads"])):
                 worst[f"grad{i}"] = max(rel_diffs(g, eg).values())
             print(model, worst, "not bitwise:", unequal(r["params"], r["eager_params"]))
-            assert all(v <= WORLD4_TOL for v in worst.values()), (model, worst)
+            assert all(v <= WORLD4_TOL[host_comm] for v in worst.values()), (model, worst)
 
 
 # ----- fp16 with dynamic loss scaling ----------------------------------------------------------------------------

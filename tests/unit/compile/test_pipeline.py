@@ -72,33 +72,44 @@ def test_fp32_matches_eager_zero3(model, optimizer, host_comm):
             assert r["saved"]["other_bytes"] > 0
 
 
-def _bf16_pair(dtype, section):
-    """The compiled engine and eager ZeRO-3 in ``dtype`` under SGD, and eager ZeRO-3's fp32 gradient at step 0."""
-    from compare import run_eager, run_pair
-    r = run_pair("gpt", STEPS, dtype=dtype, optimizer="sgd", grad_steps=1, compile_section=section)
-    r["fp32_grads"] = run_eager("gpt", 1, optimizer="sgd", grad_steps=1)["eager_grads"]
-    return r
+def _bf16_pairs(dtype, section, transports):
+    """The compiled engine on each of ``transports`` (compile.host_comm) and eager ZeRO-3, all in ``dtype`` under SGD,
+    and eager ZeRO-3's fp32 gradient at step 0: one eager run for every compiled one."""
+    from compare import run_compiled, run_eager
+    eager = run_eager("gpt", STEPS, dtype=dtype, optimizer="sgd", grad_steps=1)
+    fp32_grads = run_eager("gpt", 1, optimizer="sgd", grad_steps=1)["eager_grads"]
+    return {host_comm: {**eager, "fp32_grads": fp32_grads,
+                        **run_compiled("gpt", STEPS, dtype=dtype, optimizer="sgd", grad_steps=1,
+                                       compile_section={**section, "host_comm": host_comm})}
+            for host_comm in transports}
 
 
 # autocast with the default partitioner too: test_partitioner_and_fused_cast_effects compares its losses only
-@pytest.mark.parametrize("dtype, section", [("autocast", {}), ("bf16", {}), ("autocast", {"partitioner": "default"}),
-                                            ("autocast", {"host_comm": "gloo"}), ("bf16", {"host_comm": "gloo"})],
-                         ids=["autocast", "bf16", "autocast-default-partition", "autocast-gloo", "bf16-gloo"])
-def test_bf16_matches_eager_zero3(dtype, section):
-    from compare import assert_ran_compiled, assert_transport, check_bf16_against_eager, loss_fell
-    for r in run_distributed(_bf16_pair, dtype, section):
-        assert_ran_compiled(r)
-        assert_transport(r, section.get("host_comm", "auto"))
-        assert r["live_after_step"] == [0] * STEPS
-        assert loss_fell(r["losses"], by=0.002), r["losses"]
-        measured = check_bf16_against_eager(r, dtype)
-        print(f"{dtype}: " + ", ".join(f"{k} {v:.3g}" for k, v in measured.items()))
-        # the default partition saves them
-        assert (r["saved"]["param_bytes"] == 0) == (section.get("partitioner") != "default"), r["saved"]
-        if dtype == "bf16":  # the bf16 parameters are the fp32 master weights rounded, on both engines
-            for key in ("", "eager_"):
-                params, master = r[key + "params"], r[key + "master"]
-                assert all(torch.equal(params[k], master[k].bfloat16().float()) for k in params), key
+@pytest.mark.parametrize("dtype, section, transports", [("autocast", {}, ("auto", "gloo")),
+                                                        ("bf16", {}, ("auto", "gloo")),
+                                                        ("autocast", {"partitioner": "default"}, ("auto", ))],
+                         ids=["autocast", "bf16", "autocast-default-partition"])
+def test_bf16_matches_eager_zero3(dtype, section, transports):
+    """Each transport against eager ZeRO-3 within the stated bounds, and the two transports against each other bit for
+    bit: the same graphs, gathers that copy bits, and a reduction of 2 terms, which rounds once either way."""
+    from compare import (assert_ran_compiled, assert_same_training, assert_transport, check_bf16_against_eager,
+                         loss_fell)
+    for by_transport in run_distributed(_bf16_pairs, dtype, section, transports):
+        for host_comm, r in by_transport.items():
+            assert_ran_compiled(r)
+            assert_transport(r, host_comm)
+            assert r["live_after_step"] == [0] * STEPS
+            assert loss_fell(r["losses"], by=0.002), r["losses"]
+            measured = check_bf16_against_eager(r, dtype)
+            print(f"{dtype} ({host_comm}): " + ", ".join(f"{k} {v:.3g}" for k, v in measured.items()))
+            # the default partition saves them
+            assert (r["saved"]["param_bytes"] == 0) == (section.get("partitioner") != "default"), r["saved"]
+            if dtype == "bf16":  # the bf16 parameters are the fp32 master weights rounded, on both engines
+                for key in ("", "eager_"):
+                    params, master = r[key + "params"], r[key + "master"]
+                    assert all(torch.equal(params[k], master[k].bfloat16().float()) for k in params), key
+        if len(transports) == 2:
+            assert_same_training(by_transport["auto"], by_transport["gloo"])
 
 
 def _traffic_and_saved(model):
@@ -137,19 +148,28 @@ def test_partitioner_and_fused_cast_effects():
                 assert losses == eager_losses, (name, eager_losses, losses)
 
 
-@pytest.mark.parametrize("host_comm", ["auto", "gloo"])
-def test_gradient_accumulation_matches_eager_zero3(host_comm):
-    # gradients compared after each of the 10 backwards: the accumulated gradient's scale
+def _pairs_on_both_transports(model, steps, grad_accum):
+    """:func:`_pair` in fp32 on each transport (compile.host_comm "auto" and "gloo"), one eager ZeRO-3 run for both."""
+    from compare import run_compiled, run_eager
+    common = dict(grad_accum=grad_accum, grad_steps=None)
+    eager = run_eager(model, steps, **common)
+    return {host_comm: {**eager, **run_compiled(model, steps, compile_section={"host_comm": host_comm}, **common)}
+            for host_comm in ("auto", "gloo")}
+
+
+def test_gradient_accumulation_matches_eager_zero3():
+    # gradients compared after each of the 10 backwards: the accumulated gradient's scale; both transports in one launch
     from compare import assert_bitwise_equal, assert_transport
-    for r in run_distributed(_pair, "gpt", "fp32", {"host_comm": host_comm}, 5, 2):
-        _check_common(r, steps=5, grad_accum=2)
-        assert_transport(r, host_comm)
-        assert len(r["grads"]) == 10
-        assert_bitwise_equal(r)
-        # the second micro-step's gradient is the sum of both: not equal to the first
-        assert not torch.equal(r["grads"][0]["tok.weight"], r["grads"][1]["tok.weight"])
-        # the allocator's free memory goes back to the OS before each optimizer step, not after every backward
-        assert r["host_memory_release"] and r["host_memory_releases"] == 5, r["host_memory_releases"]
+    for by_transport in run_distributed(_pairs_on_both_transports, "gpt", 5, 2):
+        for host_comm, r in by_transport.items():
+            _check_common(r, steps=5, grad_accum=2)
+            assert_transport(r, host_comm)
+            assert len(r["grads"]) == 10
+            assert_bitwise_equal(r)
+            # the second micro-step's gradient is the sum of both: not equal to the first
+            assert not torch.equal(r["grads"][0]["tok.weight"], r["grads"][1]["tok.weight"])
+            # the allocator's free memory goes back to the OS before each optimizer step, not after every backward
+            assert r["host_memory_release"] and r["host_memory_releases"] == 5, r["host_memory_releases"]
 
 
 def test_graph_break_trains_correctly():
@@ -164,6 +184,7 @@ def _checkpoint_round_trip(ckpt_root, section):
     from compare import full_params, unequal
     from models import ds_config
     from training import make_engine, train
+    torch._dynamo.reset()  # each engine of a launch compiles from dynamo's empty caches
     engine = make_engine("gpt", ds_config(3, section))
     compile_kwargs = {"backend": "eager"} if section else None
     train(engine, "gpt", 3, compile_kwargs=compile_kwargs)
@@ -181,23 +202,30 @@ def _checkpoint_round_trip(ckpt_root, section):
     gathered_after_load = None if runtime is None else runtime.counters.gather.gathers - gathers_before
     from compare import shm_unavailable
     transport = None if runtime is None else {"host_comm": runtime.host_comm, "shm_unavailable": shm_unavailable(engine)}
+    engine.destroy()
     return after_save, after_load, restored, active_after_load, gathered_after_load, transport
 
 
-@pytest.mark.parametrize("host_comm", ["auto", "gloo"])
-def test_checkpoint_round_trip_matches_eager_zero3(tmp_path, host_comm):
+def _checkpoint_round_trips(ckpt_root):
+    """:func:`_checkpoint_round_trip` of the compiled engine on each transport in turn, in one launch."""
+    return [_checkpoint_round_trip(ckpt_root, {"deepcompile": True, "host_comm": host_comm})
+            for host_comm in ("auto", "gloo")]
+
+
+def test_checkpoint_round_trip_matches_eager_zero3(tmp_path):
     eager = run_distributed(_checkpoint_round_trip, str(tmp_path), None)
-    compiled = run_distributed(_checkpoint_round_trip, str(tmp_path), {"deepcompile": True, "host_comm": host_comm})
+    by_transport = run_distributed(_checkpoint_round_trips, str(tmp_path))
     assert os.path.isdir(tmp_path / "compiled")
     from compare import assert_transport
-    for (e_save, e_load, e_restored, *_), (c_save, c_load, c_restored, c_active, c_gathered, c_transport) in \
-            zip(eager, compiled):
-        assert_transport(c_transport, host_comm)
-        assert e_restored == [] and c_restored == [], (e_restored, c_restored)
-        assert c_active, "DeepCompile is no longer active after load_checkpoint"
-        assert c_gathered > 0, "training after load_checkpoint did not run the compiled graphs"
-        assert c_save == c_load, "training after load differs from training after save"
-        assert c_load == e_load, "training after load differs from eager ZeRO-3's"
+    for (e_save, e_load, e_restored, *_), compiled in zip(eager, by_transport):
+        for host_comm, (c_save, c_load, c_restored, c_active, c_gathered, c_transport) in zip(("auto", "gloo"),
+                                                                                              compiled):
+            assert_transport(c_transport, host_comm)
+            assert e_restored == [] and c_restored == [], (e_restored, c_restored)
+            assert c_active, "DeepCompile is no longer active after load_checkpoint"
+            assert c_gathered > 0, "training after load_checkpoint did not run the compiled graphs"
+            assert c_save == c_load, "training after load differs from training after save"
+            assert c_load == e_load, "training after load differs from eager ZeRO-3's"
 
 
 def _failed_compile_falls_back():

@@ -556,13 +556,18 @@ def hf_trainer_runs(tmp_path_factory):
     return run_distributed(_hf_trainer_stages, str(tmp_path_factory.mktemp("trainer")), (3, 1, 2), timeout_s=560)
 
 
+# the Trainer's saved weights at ZeRO-3 against eager ZeRO-3's, absolute (lr 1e-3, 4 AdamW steps): measured 4.6e-7, the
+# bound about 9 times that; a lost or doubled gradient moves an AdamW update by up to the learning rate itself
+SAVED_WEIGHTS_TOL = 4e-6
+
+
 def test_hf_trainer_trains_evaluates_and_saves_as_eager_zero3(hf_trainer_runs):
     """Trainer evaluates by calling the module itself, not the engine: that call traced ZeRO-3's empty parameters
     and failed ("'weight' must be 2-D") until the compiled module's call entered the forward context itself
     (``engine_state.direct_call_context``). Losses, evaluation losses and the gradient norms Trainer logs within 1e-5
-    relative (fp32, eager backend, as above; measured equal, equal and 1.7e-8). The saved weights within 1e-4
-    absolute: after AdamW a round-off gradient difference can move an update by a visible fraction of the learning
-    rate (see the module docstring; measured 5e-7)."""
+    relative (fp32, eager backend, as above; measured equal, equal and 1.7e-8). The saved weights within
+    ``SAVED_WEIGHTS_TOL`` absolute: after AdamW a round-off gradient difference can move an update by a visible
+    fraction of the learning rate (see the module docstring)."""
     for by_stage in hf_trainer_runs:
         r = by_stage[3]
         assert r["active"]
@@ -576,7 +581,7 @@ def test_hf_trainer_trains_evaluates_and_saves_as_eager_zero3(hf_trainer_runs):
                                                                                compiled["grad_norms"])
         assert eager["saved"].keys() == compiled["saved"].keys()
         worst = max((eager["saved"][k] - compiled["saved"][k]).abs().max().item() for k in eager["saved"])
-        assert worst <= 1e-4, worst
+        assert worst <= SAVED_WEIGHTS_TOL, worst
 
 
 @pytest.mark.parametrize("stage", [1, 2])
