@@ -18,7 +18,7 @@ times its block's share, and the world's average divides that factor out. So it 
 
 Importing this module is cheap (``import deepspeed`` imports it): the runtime is imported when an engine compiles.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 from .config import CompileConfig
 
@@ -35,22 +35,24 @@ def check_sequence_parallel(engine, compile_config: CompileConfig) -> None:
         return
     own = getattr(engine, "sequence_parallel_size", 1) or 1
     if own != 1:
+        source, setting = _own_origin(engine)
         raise ValueError(
             f"deepspeed-compile: compile.passes lists 'autosp' (sequence_parallel_size={size}), and DeepSpeed's own "
-            f"sequence parallelism is set up too ({_own_source(engine)}: {own} ranks a sequence group). They are "
+            f"sequence parallelism is set up too ({source}: {own} ranks a sequence group). They are "
             "alternatives, not composed: DeepSpeed's sets ZeRO's groups for Ulysses' attention layers, 'autosp' "
             "splits the sequence in the compiled graphs and needs ZeRO over every rank. Remove "
-            f"{_own_setting(engine)}, keeping sequence_parallel_size (consecutive ranks form each sequence group); or "
+            f"{setting}, keeping sequence_parallel_size (consecutive ranks form each sequence group); or "
             "run DeepSpeed's Ulysses (DistributedAttention) without 'autosp'")
     import torch.distributed as dist
     group = _reduce_group(engine)
     reduced, world = dist.get_world_size(group), dist.get_world_size()
     if reduced != world:
+        source, setting = _group_origin(engine)
         raise ValueError(
             f"deepspeed-compile: compile.passes lists 'autosp' (sequence_parallel_size={size}), and ZeRO "
             f"(zero_optimization.stage={engine.zero_optimization_stage()}) averages gradients over {reduced} of the "
-            f"{world} ranks ({_group_source(engine)}). Sequence parallelism is exact where they are averaged over "
-            f"every rank: remove {_group_setting(engine)}, and feed the ranks of each sequence group the same batch "
+            f"{world} ranks ({source}). Sequence parallelism is exact where they are averaged over "
+            f"every rank: remove {setting}, and feed the ranks of each sequence group the same batch "
             "(deepspeed.compile.data.SequenceGroupSampler)")
 
 
@@ -77,33 +79,23 @@ def _mesh(engine) -> Optional[object]:
     return getattr(engine, "mesh_device", None) or groups.mesh_device
 
 
-def _own_source(engine) -> str:
+def _own_origin(engine) -> Tuple[str, str]:
+    """Where DeepSpeed's own sequence parallelism comes from: (what sets it up, the setting to remove)."""
     if engine.mpu is not None and hasattr(engine.mpu, "get_sequence_parallel_world_size"):
-        return "the mpu passed to deepspeed.initialize has get_sequence_parallel_world_size"
+        return ("the mpu passed to deepspeed.initialize has get_sequence_parallel_world_size",
+                "the mpu from deepspeed.initialize")
     if "data_parallel_size" in engine._config._param_dict:
-        return "data_parallel_size with sequence_parallel_size in the ds_config makes a data x sequence mesh"
-    return "a data x sequence mesh (deepspeed.initialize's mesh_param)"
+        return ("data_parallel_size with sequence_parallel_size in the ds_config makes a data x sequence mesh",
+                "data_parallel_size from the ds_config")
+    return "a data x sequence mesh (deepspeed.initialize's mesh_param)", "mesh_param from deepspeed.initialize"
 
 
-def _own_setting(engine) -> str:
-    if engine.mpu is not None and hasattr(engine.mpu, "get_sequence_parallel_world_size"):
-        return "the mpu from deepspeed.initialize"
-    if "data_parallel_size" in engine._config._param_dict:
-        return "data_parallel_size from the ds_config"
-    return "mesh_param from deepspeed.initialize"
-
-
-def _group_source(engine) -> str:
+def _group_origin(engine) -> Tuple[str, str]:
+    """Where ZeRO's smaller data-parallel group comes from: (what makes it, the setting to remove)."""
     if engine.mpu is not None:
-        return "the data-parallel group of the mpu passed to deepspeed.initialize"
+        return ("the data-parallel group of the mpu passed to deepspeed.initialize",
+                "the mpu from deepspeed.initialize")
     if _mesh(engine) is not None:
-        return "the data-parallel dimension of a device mesh"
-    return "its data-parallel group"
-
-
-def _group_setting(engine) -> str:
-    if engine.mpu is not None:
-        return "the mpu from deepspeed.initialize"
-    if _mesh(engine) is not None:
-        return "the device mesh (mesh_param, or data_parallel_size in the ds_config)"
-    return "what makes ZeRO's data-parallel group smaller than the world"
+        return ("the data-parallel dimension of a device mesh",
+                "the device mesh (mesh_param, or data_parallel_size in the ds_config)")
+    return "its data-parallel group", "what makes ZeRO's data-parallel group smaller than the world"
