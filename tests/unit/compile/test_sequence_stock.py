@@ -245,7 +245,7 @@ def test_the_rewrite_finds_token_ids_tagged_the_stock_way(tagging):
 
     def backend(gm, example_inputs):
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        seen["cut"] = [(placeholders[index], dim) for index, dim in shard_sequence(gm, 0, 2, 1)[1]]
+        seen["cut"] = [(placeholders[index], dim) for index, dim in shard_sequence(gm, 0, 2, 1).cut_inputs]
         seen["ops"] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         return gm.forward
 
