@@ -17,16 +17,18 @@ PACKAGE = "deepspeed.compile"
 
 # bottom first; a module may import its own layer and the layers below it
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("base", ("", "config", "compat", "effects", "adapters", "_deepspeed_compile_hook")),
+    ("base", ("", "config", "constants", "compat", "effects", "adapters", "_deepspeed_compile_hook")),
     ("runtime", ("runtime", "native")),  # graph ops and their registry, the runtime behind them, the native op
     ("graph", ("graph", )),  # analysis vocabulary, tag and rewrite passes, the pass runner
     ("schedule", ("schedule", )),
     ("driver", ("driver", )),  # the compile driver: dynamo backend, compiler, stage parts, ZeRO-3's eager hooks
     ("integrations", ("integrations", )),  # DeepSpeed's checkpointing, Accelerate, transformers
-    ("engine", ("engine_state", "report")),  # the engine's DeepCompile state; the user-facing report
-    # thin entry points, each there because stock DeepSpeed imports it by name
+    # the engine's DeepCompile state, the checks of what composes with what, the user-facing report
+    ("engine", ("engine_state", "composition", "report")),
+    # thin entry points, each there because stock DeepSpeed (or a user script written for it) imports it by name, and
+    # the data helper user scripts import
     ("entry points", ("backend", "util", "z3_eager_fallback", "init_z3", "init_z1_and_2", "init_sp", "init_tp",
-                      "passes")),
+                      "passes", "data")),
 ]
 # graph analysis and scheduling see the runtime only through the ops' handles, never its communication code
 OPS_ONLY = {"graph", "schedule"}
